@@ -1,0 +1,159 @@
+"""Attention over the paged KV cache.
+
+The model runner flattens one step's tokens into a single batch: decodes (one new token each)
+first, then prefill chunks. `AttentionMetadata` describes that batch once per step; every layer
+reuses it. `TorchPagedAttention` is the reference backend: it writes the new K/V into their
+cache slots, gathers each sequence's context from its blocks and runs SDPA. A fused kernel
+(e.g. a GPU paged-attention kernel) is another class with the same two methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk of new tokens with query_len > 1, or a first token."""
+
+    start: int  # offset of the chunk in the flattened batch
+    query_len: int
+    context_len: int  # tokens in the cache after this step, the chunk included
+    # Slots of the whole context, or None when the chunk is the whole context (nothing cached
+    # before it), in which case plain causal attention over the fresh K/V is exact and cheaper.
+    context_slots: torch.Tensor | None
+    mask: torch.Tensor | None  # [query_len, context_len] bool, True = may attend
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    num_decodes: int  # the first num_decodes tokens are decodes
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context] slots, padded
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool
+    prefills: list[PrefillChunk]
+
+
+def build_metadata(
+    block_size: int,
+    decodes: list[tuple[list[int], int]],
+    prefills: list[tuple[list[int], int, int]],
+    device: torch.device,
+) -> AttentionMetadata:
+    """Describe a step's batch.
+
+    decodes:  (block_table, context_len) per decode, in batch order.
+    prefills: (block_table, num_computed_before, query_len) per chunk, in batch order after the
+              decodes.
+    """
+    slot_mapping: list[torch.Tensor] = []
+    decode_slots = decode_mask = None
+    if decodes:
+        lens = [ctx for _, ctx in decodes]
+        max_ctx = max(lens)
+        max_blocks = -(-max_ctx // block_size)
+        # Padding points at a real slot (0) that the mask hides: a finite value, so the
+        # masked product stays exactly zero.
+        tables = torch.tensor(
+            [
+                table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks]))
+                for table, _ in decodes
+            ],
+            dtype=torch.long,
+            device=device,
+        )
+        decode_slots = _table_slots(tables, block_size)[:, :max_ctx]
+        lens_t = torch.tensor(lens, device=device)
+        decode_mask = torch.arange(max_ctx, device=device)[None, :] < lens_t[:, None]
+        decode_slots = decode_slots.masked_fill(~decode_mask, 0)
+        decode_mask = decode_mask[:, None, None, :]
+        slot_mapping.append(decode_slots.gather(1, (lens_t - 1)[:, None]).view(-1))
+    chunks: list[PrefillChunk] = []
+    start = len(decodes)
+    for table, computed, qlen in prefills:
+        ctx = computed + qlen
+        table_t = torch.tensor(table[: -(-ctx // block_size)], dtype=torch.long, device=device)
+        slots = _table_slots(table_t[None, :], block_size)[0, :ctx]
+        slot_mapping.append(slots[computed:])
+        if computed == 0:
+            context_slots = mask = None
+        else:
+            context_slots = slots
+            q_pos = torch.arange(computed, ctx, device=device)[:, None]
+            mask = torch.arange(ctx, device=device)[None, :] <= q_pos
+        chunks.append(PrefillChunk(start, qlen, ctx, context_slots, mask))
+        start += qlen
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slot_mapping),
+        num_decodes=len(decodes),
+        decode_slots=decode_slots,
+        decode_mask=decode_mask,
+        prefills=chunks,
+    )
+
+
+def _table_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[rows, blocks] block ids -> [rows, blocks * block_size] slot ids, in token order."""
+    offsets = torch.arange(block_size, device=tables.device)
+    return (tables[:, :, None] * block_size + offsets).view(tables.shape[0], -1)
+
+
+class TorchPagedAttention:
+    """Reference paged attention with torch ops; runs on any device."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        k_cache: torch.Tensor,  # [num_slots, KVH, D]
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        k_cache.index_copy_(0, md.slot_mapping, k)
+        v_cache.index_copy_(0, md.slot_mapping, v)
+        out = torch.empty_like(q)
+        n = md.num_decodes
+        if n:
+            assert md.decode_slots is not None
+            b, ctx = md.decode_slots.shape
+            flat = md.decode_slots.view(-1)
+            kd = k_cache.index_select(0, flat).view(b, ctx, self.num_kv_heads, self.head_dim)
+            vd = v_cache.index_select(0, flat).view(b, ctx, self.num_kv_heads, self.head_dim)
+            o = F.scaled_dot_product_attention(
+                q[:n].unsqueeze(2),
+                kd.transpose(1, 2),
+                vd.transpose(1, 2),
+                attn_mask=md.decode_mask,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            out[:n] = o.squeeze(2)
+        for chunk in md.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.query_len)
+            qc = q[rows].transpose(0, 1).unsqueeze(0)
+            if chunk.context_slots is None:
+                kc, vc = k[rows], v[rows]
+            else:
+                kc = k_cache.index_select(0, chunk.context_slots)
+                vc = v_cache.index_select(0, chunk.context_slots)
+            o = F.scaled_dot_product_attention(
+                qc,
+                kc.transpose(0, 1).unsqueeze(0),
+                vc.transpose(0, 1).unsqueeze(0),
+                attn_mask=chunk.mask,
+                is_causal=chunk.mask is None,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            out[rows] = o[0].transpose(0, 1)
+        return out

@@ -1,0 +1,193 @@
+"""Paged KV-cache bookkeeping: the block pool, per-request block tables and prefix caching.
+
+Pure Python, no tensors: the model runner owns the cache tensors, this module decides which
+blocks each request's tokens live in.
+
+Prefix caching: a full block is identified by a chained hash of (parent block's hash, its
+token ids), so equal hashes mean equal whole prefixes. Blocks whose reference count drops to
+zero stay in the cache and sit in a free queue in LRU order; they are evicted (their hash
+forgotten) only when an allocation needs them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
+    return hash((parent, tuple(token_ids)))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+class BlockPool:
+    """A fixed set of blocks; free blocks are kept in LRU order (oldest first)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def lookup(self, block_hash: int) -> Block | None:
+        block_id = self._cached.get(block_hash)
+        return None if block_id is None else self.blocks[block_id]
+
+    def allocate(self, n: int) -> list[Block]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                # Evicting the least recently used cached block.
+                del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Sequence[Block]) -> None:
+        """Take a reference on cached blocks that a new request reuses."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks: Sequence[Block]) -> None:
+        """Drop a reference; unreferenced blocks join the free queue's most recent end."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} released twice"
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def cache(self, block: Block, block_hash: int) -> None:
+        """Register a full block under its hash, unless an equal block is already cached."""
+        if block.block_hash is None and block_hash not in self._cached:
+            block.block_hash = block_hash
+            self._cached[block_hash] = block.block_id
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block_id in list(self._cached.items()):
+            if self.blocks[block_id].ref_cnt == 0:
+                self.blocks[block_id].block_hash = None
+                del self._cached[block_hash]
+
+
+@dataclass
+class _RequestBlocks:
+    blocks: list[Block] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # hashes of the request's full blocks
+
+
+class KVCacheManager:
+    """Per-request block tables over a `BlockPool`."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._requests: dict[str, _RequestBlocks] = {}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found cached
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._requests[request_id].blocks]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> list[Block]:
+        """Cached blocks covering the longest cached prefix of `token_ids`.
+
+        The last token is never served from the cache: the model must compute it to produce
+        the next token's logits.
+        """
+        entry = self._requests.setdefault(request_id, _RequestBlocks())
+        self._extend_hashes(entry, token_ids)
+        if not self.enable_prefix_caching:
+            return []
+        usable = (len(token_ids) - 1) // self.block_size
+        hits: list[Block] = []
+        for block_hash in entry.hashes[:usable]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_query_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def allocate(
+        self, request_id: str, num_tokens: int, cached_prefix: Sequence[Block] = ()
+    ) -> bool:
+        """Make the request's blocks cover `num_tokens` tokens, first adopting `cached_prefix`
+        (a request's first allocation only). Returns False, changing nothing, when the pool
+        cannot supply the blocks."""
+        entry = self._requests.setdefault(request_id, _RequestBlocks())
+        have = len(entry.blocks) + len(cached_prefix)
+        need_new = max(0, self.blocks_needed(num_tokens) - have)
+        # Reused blocks that sit in the free queue stop being free once taken.
+        reclaimed = sum(1 for b in cached_prefix if b.ref_cnt == 0)
+        if need_new + reclaimed > self.pool.num_free:
+            return False
+        if cached_prefix:
+            self.pool.touch(cached_prefix)
+            entry.blocks.extend(cached_prefix)
+        if need_new:
+            entry.blocks.extend(self.pool.allocate(need_new))
+        return True
+
+    def cache_full_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed: int
+    ) -> None:
+        """Register every block whose tokens are all computed under its prefix hash."""
+        if not self.enable_prefix_caching:
+            return
+        entry = self._requests[request_id]
+        self._extend_hashes(entry, token_ids)
+        full = min(num_computed // self.block_size, len(entry.blocks))
+        for i in range(full):
+            self.pool.cache(entry.blocks[i], entry.hashes[i])
+
+    def free(self, request_id: str) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is not None:
+            # Tail blocks first, so they are evicted before the shared prefix blocks.
+            self.pool.release(entry.blocks[::-1])
+
+    def _extend_hashes(self, entry: _RequestBlocks, token_ids: Sequence[int]) -> None:
+        bs = self.block_size
+        for i in range(len(entry.hashes), len(token_ids) // bs):
+            parent = entry.hashes[i - 1] if i else None
+            entry.hashes.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs]))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()

@@ -1,0 +1,180 @@
+"""Model and engine configuration.
+
+`ModelConfig` is the engine's view of a Hugging Face `config.json` for the Llama family
+(Llama 2/3, Mistral, Qwen2, SmolLM2). `EngineConfig` holds the knobs of one engine instance.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        arch = str(cfg.get("model_type", "llama"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            supported = ", ".join(SUPPORTED_ARCHITECTURES)
+            raise ValueError(f"model_type {arch!r} is not supported; supported: {supported}")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            layers = int(cfg["num_hidden_layers"])
+            vocab = int(cfg["vocab_size"])
+            inter = int(cfg["intermediate_size"])
+        except KeyError as exc:
+            raise ValueError(f"config.json lacks required field {exc.args[0]!r}") from None
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({heads}) must be a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        # Checkpoints state RoPE either as rope_theta + rope_scaling (older exports) or as one
+        # rope_parameters mapping that also carries rope_theta (newer ones).
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling type {rope_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        rope_scaling = {**rope, "rope_type": rope_type} if rope_type != "default" else None
+        # Qwen2 puts a bias on q/k/v only; Llama's `attention_bias` covers q/k/v and o.
+        attention_bias = bool(cfg.get("attention_bias", False))
+        qkv_bias = arch == "qwen2" or attention_bias
+        sliding_window = cfg.get("sliding_window")
+        if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+            sliding_window = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            rope_scaling=rope_scaling,
+            sliding_window=int(sliding_window) if sliding_window else None,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: a model directory needs a config.json")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V for one token across all layers."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+def resolve_dtype(name: str, model: ModelConfig) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype, with float32 checkpoints served in bfloat16 the way
+    released checkpoints are trained; an explicit name is taken as given."""
+    if name == "auto":
+        declared = (model.torch_dtype or "bfloat16").replace("torch.", "")
+        dtype = DTYPES.get(declared, torch.bfloat16)
+        return torch.bfloat16 if dtype == torch.float32 else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class EngineConfig:
+    """One engine instance's settings; defaults follow vLLM's where a counterpart exists."""
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_fraction: float = 0.25
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: str = "cpu"
+    num_threads: int | None = None
+    skip_tokenizer_init: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")

@@ -1,0 +1,305 @@
+"""The engine's step API: add requests, step, abort, read stats.
+
+One `step()` schedules a batch, runs it through the model, samples, detokenizes, applies stop
+conditions and frees what finished. The HTTP server drives this loop from a thread; the
+offline `LLM` drives it until every request is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from fleetllm.engine.block_manager import KVCacheManager
+from fleetllm.engine.config import EngineConfig, ModelConfig, resolve_dtype
+from fleetllm.engine.loader import load_model
+from fleetllm.engine.model_files import resolve_model
+from fleetllm.engine.model_runner import ModelRunner
+from fleetllm.engine.request import Request, RequestOutput
+from fleetllm.engine.sampler import SamplingRow, sample
+from fleetllm.engine.sampling_params import SamplingParams
+from fleetllm.engine.scheduler import Scheduler
+from fleetllm.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # used blocks / all blocks; cached-but-free blocks count as free
+    num_preemptions: int
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    prompt_tokens: int  # prompts of requests that produced their first token
+    generation_tokens: int
+    num_kv_blocks: int
+    block_size: int
+    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        self.model_dir = resolve_model(config.model)
+        self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        cfg = self.model_config
+        self.dtype = resolve_dtype(config.dtype, cfg)
+        self.max_model_len = self._max_model_len(config.max_model_len, cfg)
+        self.tokenizer: Tokenizer | None = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        self.eos_token_ids = (
+            self.tokenizer.stop_token_ids if self.tokenizer else frozenset(cfg.eos_token_ids)
+        )
+        self.model = load_model(self.model_dir, cfg, self.dtype, self.device, self.max_model_len)
+        num_blocks = config.num_kv_blocks or self._blocks_from_budget()
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * config.block_size} tokens "
+                f"({num_blocks} blocks of {config.block_size}), fewer than max_model_len="
+                f"{self.max_model_len}: give it more blocks or lower max_model_len"
+            )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, cfg, self.kv, self.dtype, self.device)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._finished: Counter[str] = Counter()
+        log.info(
+            "engine ready",
+            extra={
+                "model": config.model,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "max_model_len": self.max_model_len,
+                "num_kv_blocks": num_blocks,
+                "block_size": config.block_size,
+            },
+        )
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.n != 1:
+            raise ValueError("the engine takes n=1 requests; fan out n>1 into separate requests")
+        text, token_ids = self._tokenize_prompt(prompt)
+        req = Request(request_id, text, token_ids, params, self.eos_token_ids, arrival_time)
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self._detokenizers.pop(request_id, None)
+        self.scheduler.abort(req)
+        req.finish("abort")
+        self._finished["abort"] += 1
+        return req.to_output()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine was started without a tokenizer: send token ids")
+        return self.tokenizer.encode(prompt)
+
+    def _tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text, token_ids = prompt, self.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            text, token_ids = None, list(prompt)
+            bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt token ids must be in [0, {self.model_config.vocab_size}), got {bad[0]}"
+                )
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, but max_model_len is "
+                f"{self.max_model_len}: it must be shorter, leaving room for at least one "
+                "generated token"
+            )
+        return text, token_ids
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns the requests that gained tokens (or finished) in it."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        logits, sampled = self.runner.execute(out.scheduled)
+        self.scheduler.on_step_computed(out)
+        rows = [
+            SamplingRow(
+                s.request.params,
+                s.request.prompt_token_ids,
+                s.request.output_token_ids,
+                s.request.stop_token_ids,
+                s.request.generator,
+            )
+            for s in sampled
+        ]
+        result = sample(logits, rows, self.generator)
+        outputs: list[RequestOutput] = []
+        finished: list[Request] = []
+        for s, token_id, lp in zip(sampled, result.token_ids, result.logprobs, strict=True):
+            req = s.request
+            self._append_token(req, token_id, lp)
+            if req.finished:
+                finished.append(req)
+            outputs.append(req.to_output())
+        self.scheduler.remove_finished(finished)
+        for req in finished:
+            del self.requests[req.request_id]
+            self._detokenizers.pop(req.request_id, None)
+            self._finished[req.finish_reason or "stop"] += 1
+        return outputs
+
+    def _append_token(self, req: Request, token_id: int, lp: object) -> None:
+        now = time.monotonic()
+        req.append_token(token_id)
+        self._generation_tokens += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+            self._prompt_tokens += req.num_prompt_tokens
+        req.metrics.last_token_time = now
+        if lp is not None and req.logprobs is not None:
+            token_lp, entries = lp  # type: ignore[misc]
+            req.logprobs.append(entries)
+            req.cumulative_logprob += token_lp
+
+        p = req.params
+        detok = self._detokenizers.get(req.request_id)
+        new_chars = len(detok.add(token_id)) if detok else 0
+        full_text = detok.text if detok else ""
+        n_out = len(req.output_token_ids)
+        final_text = None
+        if n_out >= p.min_tokens:
+            if token_id in req.eos_token_ids:
+                req.finish("stop")
+            elif token_id in p.stop_token_ids:  # type: ignore[operator]
+                req.finish("stop", token_id)
+            elif p.stop:
+                final_text = self._match_stop_string(req, full_text, new_chars)
+        if not req.finished and (
+            (p.max_tokens is not None and n_out >= p.max_tokens)
+            or req.num_tokens >= self.max_model_len
+        ):
+            req.finish("length")
+        if req.finished:
+            req.output_text = full_text if final_text is None else final_text
+        elif p.stop and not p.include_stop_str_in_output:
+            # Hold back a tail that could still grow into a stop string, so released text
+            # never has to be taken back.
+            hold = max(len(s) for s in p.stop) - 1  # type: ignore[union-attr]
+            visible = full_text[: max(len(full_text) - hold, 0)]
+            if len(visible) > len(req.output_text):
+                req.output_text = visible
+        else:
+            req.output_text = full_text
+
+    @staticmethod
+    def _match_stop_string(req: Request, text: str, new_chars: int) -> str | None:
+        """Finish the request at the earliest stop string completed by the new text."""
+        best: tuple[int, str] | None = None
+        for stop in req.params.stop or ():
+            idx = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        req.finish("stop", stop)
+        return text[: idx + len(stop)] if req.params.include_stop_str_in_output else text[:idx]
+
+    # -- stats and sizing -----------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage(),
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            num_kv_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size,
+            finished=dict(self._finished),
+        )
+
+    @staticmethod
+    def _max_model_len(requested: int | None, cfg: ModelConfig) -> int:
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window is not None:
+            # The reference attention has no sliding window; within the window it is exact.
+            limit = min(limit, cfg.sliding_window)
+        if requested is None:
+            return limit
+        if requested > limit:
+            raise ValueError(
+                f"max_model_len={requested} exceeds the model's limit of {limit} positions"
+            )
+        return requested
+
+    def _blocks_from_budget(self) -> int:
+        free = _free_memory_bytes(self.device)
+        per_block = self.config.block_size * self.model_config.kv_bytes_per_token(self.dtype)
+        budget_blocks = int(free * self.config.kv_cache_memory_fraction) // per_block
+        # Never more than every running sequence at full length could use.
+        needed = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        return max(1, min(budget_blocks, needed))
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

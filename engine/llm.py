@@ -1,0 +1,152 @@
+"""Offline batch API in the manner of vLLM's `LLM`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from fleetllm.engine.config import EngineConfig
+from fleetllm.engine.engine import LLMEngine
+from fleetllm.engine.request import RequestOutput
+from fleetllm.engine.sampling_params import SamplingParams
+from fleetllm.engine.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+Message = dict[str, Any]
+
+
+def child_params(params: SamplingParams) -> list[SamplingParams]:
+    """Split an n>1 request into n single ones; seeded children get seed+i, as vLLM does."""
+    if params.n == 1:
+        return [params]
+    return [
+        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        for i in range(params.n)
+    ]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_fraction: float = 0.25,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        device: str = "cpu",
+        num_threads: int | None = None,
+        skip_tokenizer_init: bool = False,
+    ) -> None:
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_fraction=kv_cache_memory_fraction,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_prefix_caching=enable_prefix_caching,
+                seed=seed,
+                device=device,
+                num_threads=num_threads,
+                skip_tokenizer_init=skip_tokenizer_init,
+            )
+        )
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise ValueError("this LLM was created with skip_tokenizer_init=True")
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in the order of `prompts`."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts"
+                )
+        parents: list[list[str]] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list, strict=True):
+                ids = []
+                for child in child_params(params):
+                    request_id = str(next(self._ids))
+                    self.engine.add_request(request_id, prompt, child)
+                    ids.append(request_id)
+                parents.append(ids)
+            done = self._run(sum(len(ids) for ids in parents), use_tqdm)
+        except BaseException:
+            for ids in parents:
+                for request_id in ids:
+                    self.engine.abort_request(request_id)
+            raise
+        return [_merge([done[i] for i in ids]) for ids in parents]
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt)
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return done
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    if isinstance(prompts, Sequence):
+        return list(prompts)  # type: ignore[arg-type]
+    raise ValueError("prompts must be a string, a list of token ids, or a list of those")
+
+
+def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+    first = outputs[0]
+    completions = []
+    for index, out in enumerate(outputs):
+        completion = out.outputs[0]
+        completion.index = index
+        completions.append(completion)
+    return dataclasses.replace(first, outputs=completions)

@@ -1,0 +1,75 @@
+"""Loads Hugging Face safetensors checkpoints (single file or sharded) into the model."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from fleetllm.engine.config import ModelConfig
+from fleetllm.engine.model import LlamaForCausalLM, RotaryEmbedding
+
+log = logging.getLogger(__name__)
+
+# Checkpoint entries that carry no weights of ours (older exports saved RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def load_model(
+    model_dir: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    expected = set(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    weights: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue
+                if name not in expected:
+                    raise ValueError(f"{path.name}: unexpected tensor {name!r} for this model")
+                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    missing = sorted(expected - set(weights))
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors: {shown}")
+    for name, tensor in weights.items():
+        want = model.get_parameter(name).shape
+        if tensor.shape != want:
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want)}"
+            )
+    model.load_state_dict(weights, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Buffers are not in the checkpoint; build the RoPE tables for real.
+    model.model.rotary = RotaryEmbedding(cfg, max_positions).to(device)
+    model.eval()
+    log.info(
+        "loaded model",
+        extra={"model_dir": str(model_dir), "dtype": str(dtype), "tensors": len(weights)},
+    )
+    return model

@@ -1,0 +1,97 @@
+"""Runs one scheduled step through the model: builds the flattened batch and its attention
+metadata, owns the KV cache tensors, and returns the logits of the rows to sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fleetllm.engine.attention import AttentionMetadata, build_metadata
+from fleetllm.engine.block_manager import KVCacheManager
+from fleetllm.engine.config import ModelConfig
+from fleetllm.engine.model import LlamaForCausalLM
+from fleetllm.engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states to turn into logits
+    sampled: list[ScheduledRequest]  # in the order of logits_indices
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cfg: ModelConfig,
+        kv: KVCacheManager,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = device
+        slots = kv.num_blocks * kv.block_size
+        # Zeroed, not empty: padded decode rows read arbitrary slots under a mask, and a
+        # masked NaN would still poison the softmax.
+        self.kv_caches = [
+            (
+                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device),
+                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
+    def prepare(self, batch: list[ScheduledRequest]) -> ModelInput:
+        """Order the batch decodes-first and describe it for the model."""
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        for s in batch:
+            is_decode = s.num_new_tokens == 1 and s.request.num_computed_tokens > 0
+            (decodes if is_decode else prefills).append(s)
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        for s in decodes + prefills:
+            start = s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            ids.extend(s.request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            if s.samples:
+                logits_indices.append(len(ids) - 1)
+                sampled.append(s)
+        md = build_metadata(
+            self.kv.block_size,
+            [
+                (self.kv.block_table(s.request.request_id), s.request.num_computed_tokens + 1)
+                for s in decodes
+            ],
+            [
+                (
+                    self.kv.block_table(s.request.request_id),
+                    s.request.num_computed_tokens,
+                    s.num_new_tokens,
+                )
+                for s in prefills
+            ],
+            self.device,
+        )
+        return ModelInput(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            attn_metadata=md,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            sampled=sampled,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Float32 logits [num_sampled, vocab] and the requests they belong to."""
+        inp = self.prepare(batch)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
+        return self.model.compute_logits(hidden[inp.logits_indices]), inp.sampled

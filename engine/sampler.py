@@ -1,0 +1,135 @@
+"""Turns a batch of logits into next tokens, one row per request.
+
+Order of processing (vLLM's): min_tokens masking, penalties, then greedy argmax or
+temperature -> top-k -> top-p -> min-p -> a random draw. Logprobs are those of the raw model
+distribution, before any processing, as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fleetllm.engine.request import Logprob
+from fleetllm.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one request."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    stop_token_ids: frozenset[int]  # masked while fewer than min_tokens were generated
+    generator: torch.Generator | None
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per row: None when not asked for, else (logprob of the sampled token, rank, top-n).
+    logprobs: list[tuple[float, dict[int, Logprob]] | None]
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place. Repetition penalty over prompt and output tokens (CTRL's rule: divide positive
+    logits, multiply negative ones); presence and frequency penalties over output tokens."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        out = torch.tensor(row.output_token_ids, dtype=torch.long)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(row.prompt_token_ids, dtype=torch.long)] = True
+            rp = p.repetition_penalty
+            penalized = torch.where(logits[i] > 0, logits[i] / rp, logits[i] * rp)
+            logits[i] = torch.where(seen, penalized, logits[i])
+        if p.frequency_penalty != 0.0:
+            logits[i] -= p.frequency_penalty * counts
+        if p.presence_penalty != 0.0:
+            logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def needs_filtering(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Top-k, top-p and min-p for one row of temperature-scaled logits; filtered entries
+    become -inf."""
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the first stays.
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop[0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator
+) -> SampleResult:
+    """logits: [len(rows), vocab] float32 (modified in place). `generator` serves the rows
+    without a seed of their own."""
+    raw_logprobs = None
+    if any(r.params.logprobs is not None for r in rows):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens and row.stop_token_ids:
+            logits[i, list(row.stop_token_ids)] = float("-inf")
+    apply_penalties(logits, rows)
+
+    token_ids = logits.argmax(dim=-1).tolist()
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        scaled = logits[random_rows] / torch.tensor(
+            [[rows[i].params.temperature] for i in random_rows], dtype=logits.dtype
+        )
+        for j, i in enumerate(random_rows):
+            if needs_filtering(rows[i].params):
+                scaled[j] = filter_logits(scaled[j], rows[i].params)
+        probs = scaled.softmax(-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. A seeded request
+        # takes exactly one row of draws from its own generator per token, so its output does
+        # not depend on what else is in the batch.
+        noise = torch.empty_like(probs)
+        if all(rows[i].generator is None for i in random_rows):
+            noise.exponential_(generator=generator)
+        else:
+            for j, i in enumerate(random_rows):
+                noise[j].exponential_(generator=rows[i].generator or generator)
+        picks = (probs / noise).argmax(-1).tolist()
+        for j, i in enumerate(random_rows):
+            token_ids[i] = picks[j]
+
+    logprobs: list[tuple[float, dict[int, Logprob]] | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i, row in enumerate(rows):
+            n = row.params.logprobs
+            if n is None:
+                continue
+            lp = raw_logprobs[i]
+            tok = token_ids[i]
+            tok_lp = float(lp[tok])
+            entries = {tok: Logprob(tok_lp, int((lp > lp[tok]).sum()) + 1)}
+            if n:
+                top = torch.topk(lp, n)
+                for rank, (value, idx) in enumerate(
+                    zip(top.values.tolist(), top.indices.tolist(), strict=True), 1
+                ):
+                    entries.setdefault(idx, Logprob(value, rank))
+            logprobs[i] = (tok_lp, entries)
+    return SampleResult(token_ids, logprobs)

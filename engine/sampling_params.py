@@ -1,0 +1,112 @@
+"""Per-request generation settings, with vLLM's names, defaults and meanings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Temperatures below this are treated as greedy decoding, as vLLM does.
+GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k filtering
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the model's length limit
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-n logprobs returned for each sampled token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._validate()
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def _validate(self) -> None:
+        def fail(name: str, msg: str) -> None:
+            raise ValueError(f"{name} {msg}")
+
+        def number(name: str, value: object) -> float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                fail(name, f"must be a number, got {type(value).__name__}")
+            return float(value)  # type: ignore[arg-type]
+
+        def integer(name: str, value: object) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                fail(name, f"must be an integer, got {type(value).__name__}")
+            return int(value)  # type: ignore[call-overload]
+
+        if integer("n", self.n) < 1:
+            fail("n", f"must be at least 1, got {self.n}")
+        if number("temperature", self.temperature) < 0.0:
+            fail("temperature", f"must be non-negative, got {self.temperature}")
+        if not 0.0 < number("top_p", self.top_p) <= 1.0:
+            fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if integer("top_k", self.top_k) < -1:
+            fail("top_k", f"must be -1 or 0 (disable), or at least 1, got {self.top_k}")
+        if not 0.0 <= number("min_p", self.min_p) <= 1.0:
+            fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = number(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                fail(name, f"must be in [-2, 2], got {value}")
+        if number("repetition_penalty", self.repetition_penalty) <= 0.0:
+            fail("repetition_penalty", f"must be greater than zero, got {self.repetition_penalty}")
+        if self.seed is not None:
+            integer("seed", self.seed)
+        if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
+            fail("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if integer("min_tokens", self.min_tokens) < 0:
+            fail("min_tokens", f"must be greater than or equal to 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail(
+                "min_tokens",
+                f"must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}",
+            )
+        if (
+            self.logprobs is not None
+            and not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS
+        ):
+            fail("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        stop = self.stop
+        if (
+            stop is not None
+            and not isinstance(stop, str)
+            and (not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop))
+        ):
+            fail("stop", f"must be a string or a list of strings, got {stop!r}")
+        if stop is not None and any(s == "" for s in ([stop] if isinstance(stop, str) else stop)):
+            fail("stop", "must not contain empty strings")
+        ids = self.stop_token_ids
+        if ids is not None and (
+            not isinstance(ids, list | tuple)
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+        ):
+            fail("stop_token_ids", f"must be a list of non-negative integers, got {ids!r}")

@@ -1,0 +1,129 @@
+"""Iteration-level continuous batching.
+
+Every step has a token budget (`max_num_batched_tokens`) and a cap on running sequences
+(`max_num_seqs`). Running requests are served first, in admission order: a decode takes one
+token, an unfinished prefill its next chunk. Waiting requests then fill what is left, reusing
+cached prefix blocks. When the KV pool runs dry the most recently admitted request is preempted:
+its blocks are freed and it goes back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from fleetllm.engine.block_manager import KVCacheManager
+from fleetllm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the request's last known token, yielding a new one."""
+        req = self.request
+        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+                i += 1
+
+        # Requests preempted this step wait for the next one: admitting new work now would
+        # only take back the blocks just freed.
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req.request_id, req.all_token_ids)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate(req.request_id, num_cached + num_new, cached):
+                break
+            self.kv.record_prefix_lookup(req.num_tokens, num_cached)
+            self.waiting.popleft()
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.monotonic()
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return out
+
+    def on_step_computed(self, out: SchedulerOutput) -> None:
+        """Advance each scheduled request past the tokens the step computed."""
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+
+    def remove_finished(self, finished: list[Request]) -> None:
+        if not finished:
+            return
+        done = {id(r) for r in finished}
+        self.running = [r for r in self.running if id(r) not in done]
+        for req in finished:
+            self.kv.free(req.request_id)
+
+    def abort(self, request: Request) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1

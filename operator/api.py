@@ -1,0 +1,503 @@
+"""The LLMDeployment custom resource as pydantic models: the single source of truth.
+
+The CRD in crds/ is generated from these models (`fleetllm crds`); field names are the
+camelCase aliases Kubernetes users write, and every description here is what `kubectl explain`
+prints. Models reject unknown fields, so a typo is an error, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "fleetllm.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "LLMDeployment"
+PLURAL = "llmdeployments"
+SINGULAR = "llmdeployment"
+SHORT_NAMES = ["llmd"]
+
+# A Service is named after its LLMDeployment, so the name must be a DNS-1035 label; the longest
+# child suffix ("-engine") must still fit in 63 characters.
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_MAX_LENGTH = 56
+# The served model name becomes the `fleetllm.io/model` label value of every child.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+SOURCE_PATTERN = r"^(hf://[^/@\s]+/[^/@\s]+(@[^@\s]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/\S*)?|s3://[^/\s]+(/\S*)?|builtin://[-a-z0-9.]+)$"
+QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[KMGTPE]i?|[mkunM])?$"
+
+Quantity = Annotated[
+    str | int,
+    Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class ModelConfig(_Model):
+    """Architecture of a model that is not in the built-in catalog; the planner sizes weights
+    and KV cache from it. Give intermediateSize (exact) or parameters (total count)."""
+
+    num_layers: int = Field(ge=1, le=1024, description="Number of transformer layers.")
+    hidden_size: int = Field(ge=1, le=1 << 17, description="Hidden (model) dimension.")
+    num_heads: int = Field(ge=1, le=1024, description="Number of attention (query) heads.")
+    num_kv_heads: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        alias="numKVHeads",
+        description="Key/value heads (GQA); defaults to numHeads.",
+    )
+    head_dim: int | None = Field(
+        None, ge=1, le=1024, description="Dimension of one head; defaults to hiddenSize/numHeads."
+    )
+    vocab_size: int = Field(ge=1, le=1 << 22, description="Vocabulary size.")
+    max_position_embeddings: int = Field(
+        ge=16, le=1 << 24, description="Longest context the model supports, in tokens."
+    )
+    intermediate_size: int | None = Field(
+        None, ge=1, le=1 << 20, description="MLP inner dimension (SwiGLU)."
+    )
+    parameters: int | None = Field(
+        None, ge=1, description="Total parameter count, when intermediateSize is not given."
+    )
+    tied_embeddings: bool = Field(
+        False, description="Whether the output head shares the input embedding matrix."
+    )
+
+    @model_validator(mode="after")
+    def _sizable(self) -> ModelConfig:
+        if self.intermediate_size is None and self.parameters is None:
+            raise ValueError("give intermediateSize or parameters, so that weights can be sized")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hiddenSize {self.hidden_size} is not divisible by numHeads {self.num_heads}; "
+                "give headDim"
+            )
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"numHeads {self.num_heads} is not a multiple of numKVHeads {self.num_kv_heads}"
+            )
+        return self
+
+
+class ModelSpec(_Model):
+    """Which model to serve and under which name."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=63,
+        pattern=MODEL_NAME_PATTERN,
+        description="Served model name: the `model` field of OpenAI requests, also the "
+        "fleetllm.io/model label of every child object.",
+    )
+    source: str = Field(
+        pattern=SOURCE_PATTERN,
+        description="Where the weights come from: hf://org/name[@revision], "
+        "pvc://claim[/path], s3://bucket/path, or builtin://smollm2-135m (in the image).",
+    )
+    architecture: str | None = Field(
+        None,
+        description="Catalog entry to size the model by (e.g. Llama-3.1-8B); inferred from "
+        "the source when omitted.",
+    )
+    config: ModelConfig | None = Field(
+        None, description="Inline architecture for models outside the catalog."
+    )
+
+
+class EnvVar(_Model):
+    """An environment variable of the engine container (as in a Pod spec)."""
+
+    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str | None = None
+    value_from: dict[str, Any] | None = Field(
+        None, description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, ...)."
+    )
+
+
+class EngineSpec(_Model):
+    """The inference engine that runs in each replica."""
+
+    backend: Literal["builtin", "vllm"] = Field(
+        "builtin", description="builtin: fleetllm's own engine; vllm: the vLLM OpenAI server."
+    )
+    image: str | None = Field(
+        None, min_length=1, description="Container image; a pinned default per backend."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Activation and unquantized weight dtype; auto is bfloat16 on GPUs and "
+        "float32 on CPUs.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Extra engine flags, appended after the planned ones; flags the planner "
+        "sets are refused here (use the matching spec field).",
+    )
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    drain_seconds: int = Field(
+        60,
+        ge=0,
+        le=3600,
+        description="How long in-flight requests may finish after a replica is told to stop.",
+    )
+
+
+class QuantizationSpec(_Model):
+    """Quantization of the weights and of the KV cache."""
+
+    weights: Literal["none", "int8", "fp8", "awq", "gptq"] = Field(
+        "none",
+        description="none: 16-bit weights; fp8: quantized at load (Ada/Hopper); int8, awq, "
+        "gptq: the source must be a checkpoint quantized that way.",
+    )
+    kv_cache: Literal["auto", "fp8", "int8"] = Field(
+        "auto", description="KV cache element type; auto follows the model dtype."
+    )
+
+
+class ParallelismSpec(_Model):
+    """How one replica spreads the model over its devices (tensor x pipeline GPUs)."""
+
+    tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel degree.")
+    pipeline: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree.")
+
+
+class GPUSpec(_Model):
+    """The accelerator each replica runs on; the count is tensor x pipeline."""
+
+    type: str = Field(
+        json_schema_extra={
+            "enum": ["L4", "A10G", "A100-40GB", "A100-80GB", "H100-80GB", "H200", "RTX4090", "cpu"]
+        },
+        description="Accelerator type from the catalog; cpu runs without one.",
+    )
+
+
+class ScalingSpec(_Model):
+    """Bounds and targets for the autoscaler. spec.replicas is kept within the bounds."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.minReplicas <= self.maxReplicas",
+                    "message": "minReplicas must not exceed maxReplicas",
+                },
+                {
+                    "rule": "!has(self.scaleToZeroAfterSeconds) || self.minReplicas == 0",
+                    "message": "scaleToZeroAfterSeconds needs minReplicas: 0",
+                },
+            ]
+        }
+    )
+
+    min_replicas: int = Field(1, ge=0, le=1000, description="Fewest replicas (0 allows zero).")
+    max_replicas: int = Field(ge=1, le=1000, description="Most replicas.")
+    target_kv_cache_usage: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        alias="targetKVCacheUsage",
+        description="Scale up above this mean KV-cache usage (0..1).",
+    )
+    target_queue_time_seconds: float = Field(
+        1.0, gt=0, le=3600, description="Scale up when requests queue longer than this."
+    )
+    scale_down_delay_seconds: int = Field(
+        300, ge=0, le=86400, description="Quiet time before removing a replica."
+    )
+    scale_to_zero_after_seconds: int | None = Field(
+        None, ge=1, le=604800, description="Idle time before scaling to zero (minReplicas: 0)."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ScalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"minReplicas {self.min_replicas} exceeds maxReplicas {self.max_replicas}"
+            )
+        if self.scale_to_zero_after_seconds is not None and self.min_replicas != 0:
+            raise ValueError("scaleToZeroAfterSeconds needs minReplicas: 0")
+        return self
+
+
+class RoutingSpec(_Model):
+    """How the router spreads this model's requests over its replicas."""
+
+    strategy: Literal["prefix", "least-load", "round-robin", "session"] = Field(
+        "prefix",
+        description="prefix: consistent hashing on the prompt prefix with bounded load; "
+        "least-load; round-robin; session: sticky by a request header.",
+    )
+    load_factor: float = Field(
+        1.25, ge=1, le=10, description="prefix: no replica takes more than this x mean load."
+    )
+    session_header: str = Field(
+        "x-session-id", min_length=1, description="session: the header that keys a session."
+    )
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class ResourceRequirements(_Model):
+    """Requests and limits that override the planned ones key by key."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _quantities(self) -> ResourceRequirements:
+        for part, values in (("requests", self.requests), ("limits", self.limits)):
+            for key, value in values.items():
+                if not re.match(QUANTITY_PATTERN, str(value)):
+                    raise ValueError(f"{part}.{key}: {value!r} is not a Kubernetes quantity")
+        return self
+
+
+class PodSpec(_Model):
+    """Settings passed through to the engine pods."""
+
+    resources: ResourceRequirements | None = None
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = Field(
+        None, description="A Kubernetes Affinity; replaces the default spreading over nodes."
+    )
+    priority_class_name: str | None = None
+    service_account_name: str | None = None
+    annotations: dict[str, str] = Field(default_factory=dict, description="Pod annotations.")
+
+
+def _default(model: type[BaseModel]) -> Any:
+    return Field(default_factory=model, json_schema_extra={"default": {}})
+
+
+class LLMDeploymentSpec(_Model):
+    """One served model: what it is, what it runs on, and how many replicas."""
+
+    model: ModelSpec
+    engine: EngineSpec = _default(EngineSpec)
+    quantization: QuantizationSpec = _default(QuantizationSpec)
+    parallelism: ParallelismSpec = _default(ParallelismSpec)
+    gpu: GPUSpec
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        le=1 << 24,
+        description="Longest prompt + completion, in tokens; defaults to the model's limit.",
+    )
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="Desired replicas (kubectl scale, the router and the autoscaler set it); "
+        "kept within scaling.minReplicas..maxReplicas when scaling is given.",
+    )
+    scaling: ScalingSpec | None = None
+    routing: RoutingSpec = _default(RoutingSpec)
+    pod: PodSpec = _default(PodSpec)
+
+    def desired_replicas(self) -> int:
+        if self.scaling is None:
+            return self.replicas
+        return min(max(self.replicas, self.scaling.min_replicas), self.scaling.max_replicas)
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class Condition(_Status):
+    """A Kubernetes-style condition."""
+
+    type: Literal["Planned", "Progressing", "Ready", "Degraded", "ScaledToZero"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
+    message: str = Field("", max_length=32768)
+    last_transition_time: str = Field(
+        json_schema_extra={"format": "date-time"}, description="When status last changed."
+    )
+    observed_generation: int | None = Field(None, ge=0)
+
+
+class PlanStatus(_Status):
+    """What the planner decided; memory figures are per device."""
+
+    backend: str
+    gpu_type: str
+    gpu_count: int = Field(description="Devices per replica (tensor x pipeline).")
+    device_memory_gib: float = Field(alias="deviceMemoryGiB")
+    weights_gib: float = Field(alias="weightsGiB", description="Weights per device.")
+    kv_cache_gib: float = Field(alias="kvCacheGiB", description="KV cache per device.")
+    overhead_gib: float = Field(
+        alias="overheadGiB", description="Activations and runtime per device."
+    )
+    kv_bytes_per_token: int = Field(description="KV bytes one token takes on one device.")
+    max_concurrent_tokens: int = Field(description="KV capacity of a replica, in tokens.")
+    max_concurrent_sequences: int = Field(description="Full maxModelLen sequences that fit.")
+    max_model_len: int
+    dtype: str
+    kv_cache_dtype: str
+    weights: str
+    gpu_memory_utilization: float
+    block_size: int
+    num_kv_blocks: int = Field(alias="numKVBlocks")
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    image: str
+    engine_args: list[str]
+
+
+class LLMDeploymentStatus(_Status):
+    """Observed state, written by the operator."""
+
+    observed_generation: int | None = Field(None, description="Generation last reconciled.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    replicas: int = Field(0, description="Engine pods that exist.")
+    ready_replicas: int = Field(0, description="Engine pods that serve.")
+    desired_replicas: int = Field(0, description="spec.replicas within the scaling bounds.")
+    selector: str | None = Field(None, description="Label selector of the engine pods (scale).")
+    plan: PlanStatus | None = None
+    endpoint: str | None = Field(None, description="In-cluster URL of the replicas' Service.")
+
+
+class ObjectMeta(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str = Field(min_length=1, max_length=NAME_MAX_LENGTH, pattern=NAME_PATTERN)
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class LLMDeployment(_Model):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+    )
+
+    api_version: Literal["fleetllm.io/v1alpha1"]
+    kind: Literal["LLMDeployment"]
+    metadata: ObjectMeta
+    spec: LLMDeploymentSpec
+
+
+class ModelSource(BaseModel):
+    """A parsed `spec.model.source`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    scheme: Literal["hf", "pvc", "s3", "builtin"]
+    location: str
+    """hf: org/name; pvc: the claim; s3: bucket/path; builtin: the model's name."""
+    revision: str | None = None
+    path: str = ""
+    """pvc: the model's folder inside the claim."""
+
+    @classmethod
+    def parse(cls, source: str) -> ModelSource:
+        if not re.match(SOURCE_PATTERN, source):
+            raise ValueError(f"model source {source!r} is not hf://, pvc://, s3:// or builtin://")
+        scheme, rest = source.split("://", 1)
+        if scheme == "hf":
+            repo, _, revision = rest.partition("@")
+            return cls(scheme="hf", location=repo, revision=revision or None)
+        if scheme == "pvc":
+            claim, _, path = rest.partition("/")
+            return cls(scheme="pvc", location=claim, path=path.strip("/"))
+        return cls(scheme=scheme, location=rest)  # type: ignore[arg-type]
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem, each naming the field path as users write it."""
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(part) for part in err["loc"]) or "(document)"
+        lines.append(f"{path}: {err['msg']}")
+    return "; ".join(lines)
+
+
+def parse_llmdeployment(doc: Any, where: str = "document") -> LLMDeployment:
+    """Validate one object as an LLMDeployment; errors say where and which field."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(doc).__name__}")
+    if doc.get("apiVersion") != API_VERSION or doc.get("kind") != KIND:
+        raise ValueError(
+            f"{where}: not an LLMDeployment (apiVersion {doc.get('apiVersion')!r}, "
+            f"kind {doc.get('kind')!r}; expected {API_VERSION!r}, {KIND!r})"
+        )
+    try:
+        return LLMDeployment.model_validate(doc)
+    except ValidationError as exc:
+        name = (doc.get("metadata") or {}).get("name", "?")
+        raise ValueError(f"{where}: LLMDeployment {name}: {format_validation_error(exc)}") from None
+
+
+def load_llmdeployments(path: str | Path) -> list[LLMDeployment]:
+    """Every LLMDeployment in a (multi-document) YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except (IsADirectoryError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read: {exc}") from None
+    try:
+        docs = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    if not docs:
+        raise ValueError(f"{path}: no LLMDeployment in the file")
+    return [
+        parse_llmdeployment(doc, f"{path} (document {index})" if len(docs) > 1 else str(path))
+        for index, doc in enumerate(docs, start=1)
+    ]
+
+
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": 10**3,
+            "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+
+
+def parse_quantity(value: str | int) -> Decimal:
+    """A Kubernetes quantity ("24Gi", "500m", "1e3", 4) as a number."""
+    text = str(value).strip()
+    match = re.match(r"^([+]?[0-9.]+(?:[eE][-+]?[0-9]+)?)([a-zA-Z]*)$", text)
+    if not match or not re.match(QUANTITY_PATTERN, text):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity")
+    number, suffix = match.groups()
+    try:
+        amount = Decimal(number)
+    except InvalidOperation:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity") from None
+    if suffix in _BINARY:
+        return amount * _BINARY[suffix]
+    if suffix in _DECIMAL:
+        return amount * Decimal(_DECIMAL[suffix])
+    if suffix:
+        raise ValueError(f"{value!r} has an unknown suffix {suffix!r}")
+    return amount

@@ -1,0 +1,184 @@
+"""`fleetllm plan | render | crds | operator run`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import yaml
+
+from fleetllm.operator.api import LLMDeployment, load_llmdeployments
+from fleetllm.operator.catalog import GIB
+from fleetllm.operator.crd import crd_yaml
+from fleetllm.operator.planner import Plan, PlanError, plan
+from fleetllm.operator.render import render
+
+
+class _LiteralDumper(yaml.SafeDumper):
+    """Multi-line strings (ConfigMap contents) as readable `|` blocks."""
+
+
+def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_LiteralDumper.add_representer(str, _str_representer)
+
+
+def dump_yaml_documents(objects: list[dict[str, Any]]) -> str:
+    return yaml.dump_all(objects, Dumper=_LiteralDumper, sort_keys=False, width=100)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p_plan = sub.add_parser(
+        "plan",
+        help="plan GPU memory and engine settings of LLMDeployments",
+        description="Size weights and KV cache of each LLMDeployment in FILE on its GPUs and "
+        "print the tuned engine settings, or why it does not fit. Exit 1 if any is refused.",
+    )
+    p_plan.add_argument("-f", "--filename", required=True, help="YAML file of LLMDeployments")
+    p_plan.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    p_plan.set_defaults(func=cmd_plan)
+
+    p_render = sub.add_parser(
+        "render",
+        help="print the Kubernetes objects of LLMDeployments",
+        description="Print, as multi-document YAML, the objects the operator would apply for "
+        "each LLMDeployment in FILE. No cluster is needed.",
+    )
+    p_render.add_argument("-f", "--filename", required=True, help="YAML file of LLMDeployments")
+    p_render.set_defaults(func=cmd_render)
+
+    p_crds = sub.add_parser("crds", help="print the LLMDeployment CustomResourceDefinition")
+    p_crds.set_defaults(func=cmd_crds)
+
+    p_op = sub.add_parser("operator", help="the Kubernetes operator")
+    op_sub = p_op.add_subparsers(dest="operator_command", required=True, metavar="COMMAND")
+    p_run = op_sub.add_parser(
+        "run",
+        help="reconcile LLMDeployments in a cluster",
+        description="Watch LLMDeployments and keep their engine Deployments, Services, "
+        "ConfigMaps and PodDisruptionBudgets in line with the plan. Credentials come from the "
+        "pod's service account, else from KUBECONFIG or ~/.kube/config.",
+    )
+    scope = p_run.add_mutually_exclusive_group(required=True)
+    scope.add_argument("-n", "--namespace", action="append", dest="namespaces",
+                       help="namespace to serve (repeatable; globs allowed)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true",
+                       help="serve every namespace")
+    p_run.add_argument("--standalone", action="store_true",
+                       help="run without peering (only safe with a single operator replica)")
+    p_run.add_argument("--peering", default="fleetllm",
+                       help="peering object for leader election (default: %(default)s)")
+    p_run.add_argument("--priority", type=int, default=None,
+                       help="peering priority; the highest live one acts (default: random)")
+    p_run.add_argument("--liveness", default=None, metavar="URL",
+                       help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p_run.add_argument("--resync-seconds", type=float, default=300.0,
+                       help="re-check every LLMDeployment this often (default: %(default)s)")
+    p_run.add_argument("--log-format", choices=["json", "plain"], default="json")
+    p_run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p_run.set_defaults(func=cmd_operator_run)
+
+
+def _plan_all(path: str) -> list[tuple[LLMDeployment, Plan | PlanError]]:
+    results: list[tuple[LLMDeployment, Plan | PlanError]] = []
+    for cr in load_llmdeployments(path):
+        try:
+            results.append((cr, plan(cr.spec)))
+        except PlanError as exc:
+            results.append((cr, exc))
+    return results
+
+
+def _plan_record(cr: LLMDeployment, result: Plan | PlanError) -> dict[str, Any]:
+    record: dict[str, Any] = {"name": cr.metadata.name, "model": cr.spec.model.name}
+    if isinstance(result, PlanError):
+        record |= {"planned": False, "reason": result.reason, "message": result.message,
+                   "suggestions": list(result.suggestions)}
+    else:
+        record |= {"planned": True, "architecture": result.arch.name,
+                   "plan": result.status.model_dump(by_alias=True),
+                   "command": list(result.command)}
+    return record
+
+
+def _table(cr: LLMDeployment, result: Plan | PlanError) -> str:
+    title = f"{cr.metadata.name} (model {cr.spec.model.name})"
+    if isinstance(result, PlanError):
+        return f"{title}: REFUSED ({result.reason})\n  {result.message}\n"
+    s = result.status
+    est = result.estimate
+    where = f"{s.gpu_count} x {s.gpu_type}" if s.gpu_count else "cpu"
+    budget = est.budget_bytes / GIB
+    rows = [
+        ("model", f"{result.arch.name}, {s.weights} weights, {s.dtype}"),
+        ("hardware", f"{where}, backend {s.backend}"),
+        ("device memory", f"{s.device_memory_gib:.2f} GiB, budget {budget:.2f} GiB "
+                          f"({s.gpu_memory_utilization:.0%})"),
+        ("weights", f"{s.weights_gib:.2f} GiB per device"),
+        ("overhead", f"{s.overhead_gib:.2f} GiB per device (activations, runtime)"),
+        ("KV cache", f"{s.kv_cache_gib:.2f} GiB per device, {s.kv_cache_dtype}, "
+                     f"{s.kv_bytes_per_token} bytes/token"),
+        ("capacity", f"{s.max_concurrent_tokens:,} tokens = {s.max_concurrent_sequences} "
+                     f"x {s.max_model_len:,}-token sequences"),
+        ("engine", f"max_num_seqs {s.max_num_seqs}, max_num_batched_tokens "
+                   f"{s.max_num_batched_tokens}, block {s.block_size}, {s.num_kv_blocks:,} blocks"),
+        ("image", s.image),
+        ("command", " ".join([*result.command, *s.engine_args])),
+    ]
+    width = max(len(label) for label, _ in rows)
+    lines = "".join(f"  {label:<{width}}  {value}\n" for label, value in rows)
+    return f"{title}: planned\n{lines}"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    results = _plan_all(args.filename)
+    if args.output == "table":
+        sys.stdout.write("\n".join(_table(cr, result) for cr, result in results))
+    else:
+        records = [_plan_record(cr, result) for cr, result in results]
+        if args.output == "json":
+            sys.stdout.write(json.dumps(records, indent=2) + "\n")
+        else:
+            sys.stdout.write(yaml.safe_dump(records, sort_keys=False, width=100))
+    return 1 if any(isinstance(result, PlanError) for _, result in results) else 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    objects: list[dict[str, Any]] = []
+    refused = False
+    for cr, result in _plan_all(args.filename):
+        if isinstance(result, PlanError):
+            print(f"fleetllm: {args.filename}: {cr.metadata.name}: not rendered, plan refused "
+                  f"({result.reason}): {result.message}", file=sys.stderr)
+            refused = True
+        else:
+            objects.extend(render(cr, result))
+    if objects:
+        sys.stdout.write(dump_yaml_documents(objects))
+    return 1 if refused else 0
+
+
+def cmd_crds(args: argparse.Namespace) -> int:
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
+def cmd_operator_run(args: argparse.Namespace) -> int:
+    from fleetllm.operator import handlers
+
+    return handlers.run(
+        namespaces=args.namespaces or [],
+        clusterwide=args.all_namespaces,
+        standalone=args.standalone,
+        peering=args.peering,
+        priority=args.priority,
+        liveness=args.liveness,
+        resync_seconds=args.resync_seconds,
+        log_json=args.log_format == "json",
+        verbose=args.verbose,
+    )

@@ -1,0 +1,619 @@
+"""The GPU capacity planner: model + accelerator + quantization + parallelism -> a memory
+budget and tuned engine settings, or a refusal that says why and what would fit.
+
+Pure: no I/O. All byte arithmetic is integer, so figures are reproducible by hand:
+
+    budget      = floor(device memory x memory utilization)
+    weights     = (linear params x bytes/param(quantization) + other params x dtype bytes)
+                  / (tensor x pipeline)
+    overhead    = runtime + activations(max_num_batched_tokens) + logits(max_num_seqs)
+    kv/token    = 2 x ceil(layers / pipeline) x max(1, kv_heads / tensor) x head_dim x kv bytes
+    capacity    = floor((budget - weights - overhead) / kv/token), whole blocks of 16 tokens
+
+A replica is refused when its capacity is below one maxModelLen sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from fleetllm import __version__
+from fleetllm.operator.api import LLMDeploymentSpec, ModelSource, PlanStatus, parse_quantity
+from fleetllm.operator.catalog import (
+    BUILTIN_MODELS,
+    GIB,
+    GPU_TYPES,
+    MODELS,
+    GPUType,
+    ModelArch,
+    find_model,
+)
+
+BLOCK_SIZE = 16
+MAX_DEVICES_PER_REPLICA = 8
+ENGINE_PORT = 8000
+
+BUILTIN_IMAGE = f"ghcr.io/fleetllm/fleetllm:{__version__}"
+BUILTIN_CUDA_IMAGE = f"ghcr.io/fleetllm/fleetllm:{__version__}-cuda"
+VLLM_IMAGE = "vllm/vllm-openai:v0.10.1.1"
+
+
+@dataclass(frozen=True)
+class ClassTuning:
+    """Engine settings per accelerator class (what fits the memory and compute of the class)."""
+
+    memory_utilization: Fraction
+    """Share of device memory the engine may use; the rest is CUDA context and headroom, a
+    roughly fixed size, so larger devices can give a larger share."""
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+TUNING: dict[str, ClassTuning] = {
+    "cpu": ClassTuning(Fraction(90, 100), 512, 8),
+    "24g": ClassTuning(Fraction(90, 100), 2048, 256),
+    "40g": ClassTuning(Fraction(92, 100), 4096, 256),
+    "80g": ClassTuning(Fraction(92, 100), 8192, 512),
+    "141g": ClassTuning(Fraction(94, 100), 16384, 1024),
+}
+
+# Memory a replica uses besides weights, KV cache and activations: CUDA graphs and allocator
+# slack on GPUs (plus communication buffers when several devices work together), the Python
+# and torch runtime on CPUs.
+RUNTIME_OVERHEAD_GPU = 3 * GIB // 4
+RUNTIME_OVERHEAD_MULTI_DEVICE = GIB // 4
+RUNTIME_OVERHEAD_CPU = GIB // 2
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per parameter of a quantized projection matrix. awq/gptq: 4-bit weights plus one
+# 16-bit scale and one 4-bit zero point per group of 128.
+QUANTIZED_LINEAR_BYTES = {
+    "int8": Fraction(1),
+    "fp8": Fraction(1),
+    "awq": Fraction(1, 2) + Fraction(5, 2 * 128),
+    "gptq": Fraction(1, 2) + Fraction(5, 2 * 128),
+}
+
+VLLM_QUANTIZATION_FLAG = {
+    # Pre-quantized checkpoints: name the fast Marlin kernels (vLLM picks the slow ones when
+    # the plain method is forced); fp8 quantizes a 16-bit checkpoint at load.
+    "int8": "compressed-tensors",
+    "fp8": "fp8",
+    "awq": "awq_marlin",
+    "gptq": "gptq_marlin",
+}
+
+
+class PlanError(ValueError):
+    """A refusal: the spec cannot run as written. `reason` is a condition reason."""
+
+    def __init__(
+        self, reason: str, message: str, suggestions: tuple[str, ...] = (), lead: str = "Fits with"
+    ) -> None:
+        full = message
+        if suggestions:
+            full = f"{message}. {lead}: {'; or '.join(suggestions)}"
+        super().__init__(full)
+        self.reason = reason
+        self.message = full
+        self.suggestions = suggestions
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device memory figures of one replica."""
+
+    memory_bytes: int
+    budget_bytes: int
+    weights_bytes: int
+    overhead_bytes: int
+    kv_bytes_per_token: int
+    capacity_tokens: int
+    tuning: ClassTuning
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.budget_bytes - self.weights_bytes - self.overhead_bytes
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.capacity_tokens // BLOCK_SIZE
+
+    def sequences(self, max_model_len: int) -> int:
+        return self.capacity_tokens // max_model_len
+
+
+def weight_bytes(arch: ModelArch, weights: str, dtype: str) -> int:
+    """Bytes of all weights of the model (before splitting over devices)."""
+    dtype_bytes = DTYPE_BYTES[dtype]
+    if weights == "none":
+        return arch.parameter_count() * dtype_bytes
+    linear = arch.linear_parameters()
+    other = arch.parameter_count() - linear
+    return math.ceil(linear * QUANTIZED_LINEAR_BYTES[weights]) + other * dtype_bytes
+
+
+def kv_bytes_per_token(arch: ModelArch, *, tensor: int, pipeline: int, kv_dtype_bytes: int) -> int:
+    """KV bytes one token takes on one device. With more devices than KV heads each device
+    holds a replica of one head."""
+    layers = math.ceil(arch.num_layers / pipeline)
+    kv_heads = max(1, arch.num_kv_heads // tensor)
+    return 2 * layers * kv_heads * arch.head_dim * kv_dtype_bytes
+
+
+def estimate(
+    arch: ModelArch,
+    gpu: GPUType,
+    *,
+    tensor: int = 1,
+    pipeline: int = 1,
+    dtype: str = "bfloat16",
+    weights: str = "none",
+    kv_cache: str = "auto",
+    memory_bytes: int | None = None,
+) -> MemoryEstimate:
+    """Per-device budget of a replica; capacity is 0 when nothing is left for the KV cache."""
+    tuning = TUNING[gpu.gpu_class]
+    memory = gpu.memory_bytes if memory_bytes is None else memory_bytes
+    devices = tensor * pipeline
+    dtype_bytes = DTYPE_BYTES[dtype]
+    kv_dtype_bytes = dtype_bytes if kv_cache == "auto" else 1
+
+    budget = math.floor(memory * tuning.memory_utilization)
+    weights_per_device = math.ceil(weight_bytes(arch, weights, dtype) / devices)
+    intermediate = arch.intermediate_size or 4 * arch.hidden_size
+    activations = (
+        tuning.max_num_batched_tokens
+        * (4 * arch.hidden_size + 2 * math.ceil(intermediate / tensor))
+        * dtype_bytes
+    )
+    logits = tuning.max_num_seqs * arch.vocab_size * 4
+    if gpu.is_gpu:
+        runtime = RUNTIME_OVERHEAD_GPU + (RUNTIME_OVERHEAD_MULTI_DEVICE if devices > 1 else 0)
+    else:
+        runtime = RUNTIME_OVERHEAD_CPU
+    overhead = runtime + activations + logits
+    per_token = kv_bytes_per_token(arch, tensor=tensor, pipeline=pipeline,
+                                   kv_dtype_bytes=kv_dtype_bytes)
+    free = budget - weights_per_device - overhead
+    capacity = (max(0, free) // per_token) // BLOCK_SIZE * BLOCK_SIZE
+    return MemoryEstimate(
+        memory_bytes=memory,
+        budget_bytes=budget,
+        weights_bytes=weights_per_device,
+        overhead_bytes=overhead,
+        kv_bytes_per_token=per_token,
+        capacity_tokens=capacity,
+        tuning=tuning,
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything render needs, plus the figures reported in status.plan."""
+
+    status: PlanStatus
+    gpu: GPUType
+    arch: ModelArch
+    source: ModelSource
+    estimate: MemoryEstimate
+    command: tuple[str, ...]
+    args: tuple[str, ...]
+    total_weights_bytes: int
+
+    @property
+    def devices(self) -> int:
+        return self.status.gpu_count
+
+
+def resolve_gpu(name: str) -> GPUType:
+    gpu = GPU_TYPES.get(name)
+    if gpu is None:
+        raise PlanError(
+            "UnknownGPUType", f"gpu.type {name!r} is not in the catalog ({', '.join(GPU_TYPES)})"
+        )
+    return gpu
+
+
+def resolve_arch(spec: LLMDeploymentSpec) -> ModelArch:
+    model = spec.model
+    if model.config is not None:
+        cfg = model.config
+        heads = cfg.num_heads
+        return ModelArch(
+            name=model.architecture or model.name,
+            num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=heads,
+            num_kv_heads=cfg.num_kv_heads or heads,
+            head_dim=cfg.head_dim or cfg.hidden_size // heads,
+            vocab_size=cfg.vocab_size,
+            max_position=cfg.max_position_embeddings,
+            intermediate_size=cfg.intermediate_size,
+            tied_embeddings=cfg.tied_embeddings,
+            parameters=cfg.parameters,
+        )
+    if model.architecture is not None:
+        arch = MODELS.get(model.architecture)
+        if arch is None:
+            raise PlanError(
+                "UnknownModel",
+                f"model.architecture {model.architecture!r} is not in the catalog "
+                f"({', '.join(MODELS)}); give model.config instead",
+            )
+        return arch
+    source = ModelSource.parse(model.source)
+    if source.scheme == "builtin":
+        if source.location not in BUILTIN_MODELS:
+            raise PlanError(
+                "UnknownModel",
+                f"builtin://{source.location} is not a built-in model "
+                f"({', '.join(f'builtin://{n}' for n in BUILTIN_MODELS)})",
+            )
+        return MODELS[BUILTIN_MODELS[source.location]]
+    arch = find_model(f"{source.location}/{source.path}")
+    if arch is None:
+        raise PlanError(
+            "UnknownModel",
+            f"cannot tell the architecture of {model.source!r}: set model.architecture to one "
+            f"of {', '.join(MODELS)}, or give model.config",
+        )
+    return arch
+
+
+def _check_backend(spec: LLMDeploymentSpec, gpu: GPUType) -> None:
+    backend = spec.engine.backend
+    quant = spec.quantization
+    tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
+    if backend == "vllm" and not gpu.is_gpu:
+        raise PlanError(
+            "UnsupportedBackend",
+            "the vllm backend needs a GPU; use engine.backend: builtin for gpu.type: cpu",
+        )
+    if backend == "builtin":
+        if tp > 1 or pp > 1:
+            raise PlanError(
+                "UnsupportedParallelism",
+                f"the builtin engine runs a replica on one device (tensor {tp}, pipeline {pp}); "
+                "use engine.backend: vllm for tensor or pipeline parallelism",
+            )
+        if quant.weights != "none" or quant.kv_cache != "auto":
+            raise PlanError(
+                "UnsupportedQuantization",
+                f"the builtin engine serves unquantized weights and KV cache (weights "
+                f"{quant.weights}, kvCache {quant.kv_cache}); use engine.backend: vllm",
+            )
+    if backend == "vllm" and quant.kv_cache == "int8":
+        raise PlanError(
+            "UnsupportedQuantization", "vLLM has no int8 KV cache; use quantization.kvCache: fp8"
+        )
+    uses_fp8 = [part for part, value in (("weights", quant.weights), ("kvCache", quant.kv_cache))
+                if value == "fp8"]
+    if uses_fp8 and not gpu.supports_fp8:
+        raise PlanError(
+            "UnsupportedQuantization",
+            f"quantization.{uses_fp8[0]}: fp8 needs an Ada or Hopper GPU (L4, RTX4090, "
+            f"H100-80GB, H200); {gpu.name} is {gpu.architecture}. Use int8, awq or gptq weights",
+        )
+    devices = tp * pp
+    if devices > MAX_DEVICES_PER_REPLICA:
+        raise PlanError(
+            "UnsupportedParallelism",
+            f"tensor x pipeline = {devices} devices; a replica runs on one node, at most "
+            f"{MAX_DEVICES_PER_REPLICA}",
+        )
+
+
+def _check_parallelism(arch: ModelArch, tensor: int, pipeline: int) -> None:
+    if arch.num_heads % tensor:
+        raise PlanError(
+            "ParallelismMismatch",
+            f"{arch.name} has {arch.num_heads} attention heads, not divisible by tensor "
+            f"parallelism {tensor}",
+            _nearest_tensor_sizes(arch, tensor),
+            lead="Valid instead",
+        )
+    kv = arch.num_kv_heads
+    if kv % tensor and tensor % kv:
+        raise PlanError(
+            "ParallelismMismatch",
+            f"{arch.name} has {kv} KV heads; tensor parallelism {tensor} neither divides "
+            f"nor is a multiple of it",
+            _nearest_tensor_sizes(arch, tensor),
+            lead="Valid instead",
+        )
+    if pipeline > arch.num_layers:
+        raise PlanError(
+            "ParallelismMismatch",
+            f"{arch.name} has {arch.num_layers} layers, fewer than pipeline stages {pipeline}",
+        )
+
+
+def _valid_tensor_sizes(arch: ModelArch) -> list[int]:
+    return [
+        t for t in range(1, MAX_DEVICES_PER_REPLICA + 1)
+        if arch.num_heads % t == 0 and (arch.num_kv_heads % t == 0 or t % arch.num_kv_heads == 0)
+    ]
+
+
+def _nearest_tensor_sizes(arch: ModelArch, tensor: int) -> tuple[str, ...]:
+    sizes = sorted((t for t in _valid_tensor_sizes(arch) if t > 1), key=lambda t: abs(t - tensor))
+    return tuple(f"parallelism.tensor: {t}" for t in sorted(sizes[:2]))
+
+
+def _resolve_dtype(spec: LLMDeploymentSpec, gpu: GPUType) -> str:
+    if spec.engine.dtype != "auto":
+        return spec.engine.dtype
+    # bf16 matmuls are slow on CPUs without bf16 instructions; every catalog GPU has them.
+    return "bfloat16" if gpu.is_gpu else "float32"
+
+
+def _memory_bytes(spec: LLMDeploymentSpec, gpu: GPUType) -> int:
+    """Per-device memory; for cpu replicas the pod memory limit when one is given."""
+    if not gpu.is_gpu and spec.pod.resources is not None:
+        limit = spec.pod.resources.limits.get("memory")
+        if limit is not None:
+            return int(parse_quantity(limit))
+    return gpu.memory_bytes
+
+
+def _fits(est: MemoryEstimate, max_model_len: int) -> bool:
+    return est.capacity_tokens >= max_model_len
+
+
+def _suggestions(
+    spec: LLMDeploymentSpec, arch: ModelArch, gpu: GPUType, dtype: str, max_model_len: int,
+    current: MemoryEstimate,
+) -> tuple[str, ...]:
+    """The smallest changes that make the replica fit, cheapest first."""
+    tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
+    quant = spec.quantization
+    vllm = spec.engine.backend == "vllm"
+    found: list[str] = []
+
+    for tensor in (2, 4, 8):
+        if tensor <= tp or tensor * pp > MAX_DEVICES_PER_REPLICA:
+            continue
+        if tensor not in _valid_tensor_sizes(arch):
+            continue
+        est = estimate(arch, gpu, tensor=tensor, pipeline=pp, dtype=dtype,
+                       weights=quant.weights, kv_cache=quant.kv_cache)
+        if _fits(est, max_model_len):
+            prefix = "" if vllm else "engine.backend: vllm with "
+            found.append(f"{prefix}parallelism.tensor: {tensor} ({tensor} x {gpu.name})")
+            break
+
+    if gpu.is_gpu:
+        options = ["fp8"] if gpu.supports_fp8 else []
+        options += ["int8", "awq"]
+        for weights in options:
+            if weights == quant.weights or (quant.weights in ("awq", "gptq")):
+                continue
+            est = estimate(arch, gpu, tensor=tp, pipeline=pp, dtype=dtype, weights=weights,
+                           kv_cache=quant.kv_cache)
+            if _fits(est, max_model_len):
+                prefix = "" if vllm else "engine.backend: vllm with "
+                found.append(f"{prefix}quantization.weights: {weights}")
+                break
+        if gpu.supports_fp8 and quant.kv_cache == "auto" and vllm:
+            est = estimate(arch, gpu, tensor=tp, pipeline=pp, dtype=dtype,
+                           weights=quant.weights, kv_cache="fp8")
+            if _fits(est, max_model_len):
+                found.append("quantization.kvCache: fp8")
+
+    for bigger in sorted(GPU_TYPES.values(), key=lambda g: g.memory_mib):
+        if not bigger.is_gpu or bigger.memory_mib <= gpu.memory_mib or not gpu.is_gpu:
+            continue
+        if (quant.weights == "fp8" or quant.kv_cache == "fp8") and not bigger.supports_fp8:
+            continue
+        est = estimate(arch, bigger, tensor=tp, pipeline=pp, dtype=dtype,
+                       weights=quant.weights, kv_cache=quant.kv_cache)
+        if _fits(est, max_model_len):
+            found.append(f"gpu.type: {bigger.name}")
+            break
+
+    if current.capacity_tokens >= 16:
+        found.append(f"maxModelLen: {current.capacity_tokens} or less")
+    return tuple(found)
+
+
+def _max_num_seqs(capacity: int, max_model_len: int, cap: int) -> int:
+    """As many sequences as the KV cache holds at a typical working length (2048 tokens, or
+    the whole context when shorter; few requests fill a long context), within the class cap,
+    in multiples of 8 (the batch sizes CUDA graphs are captured for)."""
+    typical = min(max_model_len, 2048)
+    seqs = min(cap, max(1, capacity // typical))
+    return seqs - seqs % 8 if seqs >= 8 else seqs
+
+
+def _gib(value: int) -> float:
+    return round(value / GIB, 2)
+
+
+def plan(spec: LLMDeploymentSpec) -> Plan:
+    """Plan one replica of `spec`, or raise PlanError with the reason and what would fit."""
+    gpu = resolve_gpu(spec.gpu.type)
+    _check_backend(spec, gpu)
+    arch = resolve_arch(spec)
+    source = ModelSource.parse(spec.model.source)
+    tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
+    _check_parallelism(arch, tp, pp)
+
+    max_model_len = spec.max_model_len or arch.max_position
+    if max_model_len > arch.max_position:
+        raise PlanError(
+            "MaxModelLenTooLong",
+            f"maxModelLen {max_model_len} exceeds what {arch.name} supports "
+            f"({arch.max_position} tokens)",
+        )
+
+    dtype = _resolve_dtype(spec, gpu)
+    quant = spec.quantization
+    memory = _memory_bytes(spec, gpu)
+    est = estimate(arch, gpu, tensor=tp, pipeline=pp, dtype=dtype, weights=quant.weights,
+                   kv_cache=quant.kv_cache, memory_bytes=memory)
+    where = f"{tp * pp} x {gpu.name}" if gpu.is_gpu else f"cpu ({_gib(memory)} GiB)"
+    if est.kv_budget_bytes <= 0:
+        raise PlanError(
+            "WeightsDoNotFit",
+            f"{arch.name} weights ({_gib(est.weights_bytes)} GiB per device) and overhead "
+            f"({_gib(est.overhead_bytes)} GiB) exceed the {_gib(est.budget_bytes)} GiB budget "
+            f"of {where}",
+            _suggestions(spec, arch, gpu, dtype, max_model_len, est),
+        )
+    if est.capacity_tokens < max_model_len:
+        raise PlanError(
+            "KVCacheTooSmall",
+            f"{arch.name} on {where}: after weights ({_gib(est.weights_bytes)} GiB per device) "
+            f"and overhead ({_gib(est.overhead_bytes)} GiB) the KV cache "
+            f"({_gib(est.kv_budget_bytes)} GiB) holds {est.capacity_tokens} tokens, less than "
+            f"one maxModelLen sequence of {max_model_len}",
+            _suggestions(spec, arch, gpu, dtype, max_model_len, est),
+        )
+
+    tuning = est.tuning
+    max_num_seqs = _max_num_seqs(est.capacity_tokens, max_model_len, tuning.max_num_seqs)
+    batched = max(max_num_seqs, min(tuning.max_num_batched_tokens, est.capacity_tokens))
+    kv_dtype = dtype if quant.kv_cache == "auto" else quant.kv_cache
+    command, args = _engine_command(spec, source, dtype=dtype, max_model_len=max_model_len,
+                                    est=est, max_num_seqs=max_num_seqs, batched=batched)
+    _check_extra_args(spec)
+    image = spec.engine.image or _default_image(spec, gpu)
+    status = PlanStatus(
+        backend=spec.engine.backend,
+        gpu_type=gpu.name,
+        gpu_count=tp * pp if gpu.is_gpu else 0,
+        device_memory_gib=_gib(est.memory_bytes),
+        weights_gib=_gib(est.weights_bytes),
+        kv_cache_gib=_gib(est.capacity_tokens * est.kv_bytes_per_token),
+        overhead_gib=_gib(est.overhead_bytes),
+        kv_bytes_per_token=est.kv_bytes_per_token,
+        max_concurrent_tokens=est.capacity_tokens,
+        max_concurrent_sequences=est.sequences(max_model_len),
+        max_model_len=max_model_len,
+        dtype=dtype,
+        kv_cache_dtype=kv_dtype,
+        weights=quant.weights,
+        gpu_memory_utilization=float(tuning.memory_utilization),
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=est.num_kv_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=batched,
+        image=image,
+        engine_args=[*args, *spec.engine.extra_args],
+    )
+    return Plan(
+        status=status,
+        gpu=gpu,
+        arch=arch,
+        source=source,
+        estimate=est,
+        command=command,
+        args=(*args, *spec.engine.extra_args),
+        total_weights_bytes=weight_bytes(arch, quant.weights, dtype),
+    )
+
+
+def _default_image(spec: LLMDeploymentSpec, gpu: GPUType) -> str:
+    if spec.engine.backend == "vllm":
+        return VLLM_IMAGE
+    return BUILTIN_CUDA_IMAGE if gpu.is_gpu else BUILTIN_IMAGE
+
+
+MODEL_MOUNT = "/models"
+
+
+def engine_model_reference(source: ModelSource, backend: str) -> tuple[str, ...]:
+    """The engine flags that name the model."""
+    if source.scheme == "builtin":
+        return ("--model", source.location)
+    if source.scheme == "pvc":
+        path = f"{MODEL_MOUNT}/{source.path}" if source.path else MODEL_MOUNT
+        return ("--model", path)
+    if source.scheme == "hf" and backend == "vllm":
+        flags: tuple[str, ...] = ("--model", source.location)
+        return (*flags, "--revision", source.revision) if source.revision else flags
+    if source.scheme == "hf":
+        revision = f"@{source.revision}" if source.revision else ""
+        return ("--model", f"hf://{source.location}{revision}")
+    reference = ("--model", f"s3://{source.location}")
+    # vLLM streams s3:// checkpoints through the Run:ai model streamer.
+    return (*reference, "--load-format", "runai_streamer") if backend == "vllm" else reference
+
+
+def _engine_command(
+    spec: LLMDeploymentSpec, source: ModelSource, *, dtype: str, max_model_len: int,
+    est: MemoryEstimate, max_num_seqs: int, batched: int,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    common = (
+        *engine_model_reference(source, spec.engine.backend),
+        "--host", "0.0.0.0",
+        "--port", str(ENGINE_PORT),
+        "--served-model-name", spec.model.name,
+        "--dtype", dtype,
+        "--max-model-len", str(max_model_len),
+        "--block-size", str(BLOCK_SIZE),
+    )
+    if spec.engine.backend == "builtin":
+        # An explicit block count, not a memory fraction: the pool is exactly what was planned
+        # and reported, whatever else shares the device or the pod's memory.
+        return ("fleetllm", "engine", "serve"), (
+            *common,
+            "--num-kv-blocks", str(est.num_kv_blocks),
+            "--max-num-seqs", str(max_num_seqs),
+            "--max-num-batched-tokens", str(batched),
+        )
+    quant = spec.quantization
+    args = [
+        *common,
+        "--gpu-memory-utilization", f"{float(est.tuning.memory_utilization):.2f}",
+        "--max-num-seqs", str(max_num_seqs),
+        "--max-num-batched-tokens", str(batched),
+        "--tensor-parallel-size", str(spec.parallelism.tensor),
+        "--pipeline-parallel-size", str(spec.parallelism.pipeline),
+        "--enable-prefix-caching",
+    ]
+    if quant.weights != "none":
+        args += ["--quantization", VLLM_QUANTIZATION_FLAG[quant.weights]]
+    if quant.kv_cache != "auto":
+        args += ["--kv-cache-dtype", quant.kv_cache]
+    return ("python3", "-m", "vllm.entrypoints.openai.api_server"), tuple(args)
+
+
+# Flags the planner decides, and the spec field to use instead.
+OWNED_FLAGS = {
+    "--model": "model.source",
+    "--revision": "model.source (hf://org/name@revision)",
+    "--load-format": "model.source",
+    "--host": "(fixed)",
+    "--port": "(fixed)",
+    "--served-model-name": "model.name",
+    "--dtype": "engine.dtype",
+    "--max-model-len": "maxModelLen",
+    "--block-size": "(planned)",
+    "--num-kv-blocks": "(planned)",
+    "--kv-cache-memory-fraction": "(planned)",
+    "--gpu-memory-utilization": "(planned)",
+    "--max-num-seqs": "(planned)",
+    "--max-num-batched-tokens": "(planned)",
+    "--tensor-parallel-size": "parallelism.tensor",
+    "-tp": "parallelism.tensor",
+    "--pipeline-parallel-size": "parallelism.pipeline",
+    "-pp": "parallelism.pipeline",
+    "--quantization": "quantization.weights",
+    "-q": "quantization.weights",
+    "--kv-cache-dtype": "quantization.kvCache",
+}
+
+
+def _check_extra_args(spec: LLMDeploymentSpec) -> None:
+    for arg in spec.engine.extra_args:
+        flag = arg.split("=", 1)[0]
+        if flag in OWNED_FLAGS:
+            raise PlanError(
+                "InvalidEngineArgs",
+                f"engine.extraArgs sets {flag}, which the planner owns; use "
+                f"{OWNED_FLAGS[flag]}",
+            )

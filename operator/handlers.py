@@ -1,0 +1,188 @@
+"""kopf wiring: which events trigger a reconcile, retries, settings, and `operator run`.
+
+All decisions live in the reconciler; handlers here only say *when* to reconcile:
+- the LLMDeployment is created, changed, or found on start (resume);
+- one of its children changes or disappears (drift, deletion, Deployment status);
+- a periodic resync, so that anything missed is caught up.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import kopf
+
+from fleetllm.operator.api import GROUP, KIND, PLURAL, VERSION
+from fleetllm.operator.kube import RESOURCES, ApiError, KubeClient
+from fleetllm.operator.reconciler import Reconciler
+from fleetllm.operator.render import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER
+
+logger = logging.getLogger("fleetllm.operator")
+
+HANDLER_RETRIES = 10
+MAX_BACKOFF_SECONDS = 60.0
+CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "PodDisruptionBudget")
+
+
+def default_login() -> kopf.ConnectionInfo:
+    """The pod's service account in a cluster, else the kubeconfig."""
+    settings = kopf.OperatorSettings()
+    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+        settings=settings
+    )
+    if info is None:
+        raise kopf.LoginError("no credentials: not in a cluster and no kubeconfig found")
+    return info
+
+
+@dataclass
+class OperatorState:
+    """Shared by every handler through kopf's memo (kopf copies the memo per object, so the
+    reconciler is made once, up front)."""
+
+    login: Callable[[], kopf.ConnectionInfo]
+    reconciler: Reconciler
+
+    @classmethod
+    def create(cls, login: Callable[[], kopf.ConnectionInfo]) -> OperatorState:
+        return cls(login=login, reconciler=Reconciler(KubeClient(login), emit=_post_event))
+
+
+def _post_event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    kopf.event(body, type=type_, reason=reason, message=message[:1024])  # type: ignore[arg-type]
+
+
+def _backoff(retry: int) -> float:
+    return min(MAX_BACKOFF_SECONDS, 2.0 ** retry)
+
+
+async def _reconcile_or_retry(memo: OperatorState, namespace: str, name: str, retry: int) -> None:
+    try:
+        await memo.reconciler.reconcile(namespace, name)
+    except ApiError as exc:
+        if exc.retryable:
+            raise kopf.TemporaryError(str(exc), delay=_backoff(retry)) from exc
+        raise kopf.PermanentError(str(exc)) from exc
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise kopf.TemporaryError(f"API unreachable: {exc}", delay=_backoff(retry)) from exc
+
+
+def _owner_name(body: dict[str, Any]) -> str | None:
+    meta = body.get("metadata") or {}
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{GROUP}/"):
+            return str(ref.get("name"))
+    return (meta.get("labels") or {}).get(LABEL_INSTANCE)
+
+
+def build_registry(resync_seconds: float = 300.0) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(memo: OperatorState, **_: Any) -> kopf.ConnectionInfo:
+        return memo.login()
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(memo: OperatorState, **_: Any) -> None:
+        await memo.reconciler.client.close()
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, retries=HANDLER_RETRIES)
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, retries=HANDLER_RETRIES)
+    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry, retries=HANDLER_RETRIES)
+    async def llmdeployment_changed(
+        name: str, namespace: str, memo: OperatorState, retry: int, **_: Any
+    ) -> None:
+        await _reconcile_or_retry(memo, namespace, name, retry)
+
+    @kopf.timer(GROUP, VERSION, PLURAL, registry=registry, interval=resync_seconds,
+                initial_delay=resync_seconds)
+    async def resync(name: str, namespace: str, memo: OperatorState, **_: Any) -> None:
+        try:
+            await memo.reconciler.reconcile(namespace, name)
+        except (TimeoutError, ApiError, aiohttp.ClientError) as exc:
+            logger.warning("resync failed", extra={"llmdeployment": f"{namespace}/{name}",
+                                                   "error": str(exc)})
+
+    for kind in CHILD_KINDS:
+        resource = RESOURCES[kind]
+        group, _, version = resource.api_version.rpartition("/")
+
+        @kopf.on.event(group, version, resource.plural, registry=registry,
+                       id=f"child-{kind.lower()}", labels={LABEL_MANAGED_BY: MANAGER})
+        async def child_changed(
+            body: dict[str, Any], type: str | None, namespace: str, memo: OperatorState,
+            **_: Any,
+        ) -> None:
+            # type is None for the initial listing: resume handlers cover that case.
+            owner = _owner_name(body)
+            if type is None or owner is None:
+                return
+            try:
+                await memo.reconciler.reconcile(namespace, owner)
+            except (TimeoutError, ApiError, aiohttp.ClientError) as exc:
+                logger.warning("reconcile after a child change failed", extra={
+                    "llmdeployment": f"{namespace}/{owner}", "error": str(exc)})
+
+    return registry
+
+
+def make_settings(*, standalone: bool, peering: str | None = None,
+                  priority: int | None = None) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    # Progress and the last handled spec go into fleetllm.io annotations, never into status,
+    # whose schema belongs to the CRD.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    # Kubernetes Events for warnings and errors only; the reconciler posts its own transitions.
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = "fleetllm-operator"
+    settings.posting.reporting_instance = socket.gethostname()
+    settings.networking.request_timeout = 60
+    settings.networking.connect_timeout = 10
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.execution.max_workers = 4
+    settings.peering.standalone = standalone
+    if not standalone:
+        settings.peering.mandatory = True
+        settings.peering.name = peering or "fleetllm"
+        # Replicas need distinct priorities: with equal ones kopf pauses all of them.
+        settings.peering.priority = (
+            priority if priority is not None else random.randint(1, 2**31 - 1)
+        )
+    return settings
+
+
+def run(
+    *,
+    namespaces: list[str],
+    clusterwide: bool,
+    standalone: bool,
+    peering: str,
+    priority: int | None,
+    liveness: str | None,
+    resync_seconds: float,
+    log_json: bool,
+    verbose: bool,
+) -> int:
+    kopf.configure(verbose=verbose, log_format=kopf.LogFormat.JSON if log_json
+                   else kopf.LogFormat.FULL)
+    settings = make_settings(standalone=standalone, peering=peering, priority=priority)
+    kopf.run(
+        registry=build_registry(resync_seconds),
+        settings=settings,
+        memo=OperatorState.create(default_login),
+        clusterwide=clusterwide,
+        namespaces=namespaces,
+        standalone=standalone,
+        liveness_endpoint=liveness,
+    )
+    return 0

@@ -1,0 +1,171 @@
+"""Level-triggered reconciliation of one LLMDeployment: read it, plan, render, apply what
+differs, and write the status when it changed.
+
+Every call starts from what is in the cluster now, whatever triggered it (the LLMDeployment
+changed, a child changed or vanished, a periodic resync, an operator restart), so calls are
+idempotent: when nothing differs, nothing is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import datetime
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetllm.operator.api import API_VERSION, KIND, LLMDeployment, parse_llmdeployment
+from fleetllm.operator.kube import ApiError, KubeClient
+from fleetllm.operator.planner import Plan, PlanError, plan
+from fleetllm.operator.render import ANNOTATION_APPLIED, child_names, render
+from fleetllm.operator.status import Refusal, Transition, build_status
+
+logger = logging.getLogger("fleetllm.operator")
+
+CONFLICT_ATTEMPTS = 3
+
+# (body of the LLMDeployment, event type, reason, message)
+EventSink = Callable[[dict[str, Any], str, str, str], None]
+
+
+def utcnow() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def is_subset(desired: Any, live: Any) -> bool:
+    """Whether every value in `desired` is in `live`; lists must match item by item. Fields
+    only `live` has (server defaults, other managers' fields) do not count as differences."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(
+            key in live and is_subset(value, live[key]) for key, value in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(desired) == len(live)
+            and all(is_subset(d, v) for d, v in zip(desired, live, strict=True))
+        )
+    return bool(desired == live)
+
+
+def needs_apply(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
+    """Apply when the child is missing, was made from another rendering, or drifted."""
+    if live is None:
+        return True
+    live_meta = live.get("metadata") or {}
+    want_meta = desired["metadata"]
+    if (live_meta.get("annotations") or {}).get(ANNOTATION_APPLIED) != want_meta["annotations"][
+        ANNOTATION_APPLIED
+    ]:
+        return True
+    if not is_subset(want_meta.get("labels", {}), live_meta.get("labels") or {}):
+        return True
+    owner_uids = {ref.get("uid") for ref in live_meta.get("ownerReferences") or []}
+    if any(ref["uid"] not in owner_uids for ref in want_meta.get("ownerReferences", [])):
+        return True
+    body = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "metadata")}
+    return not is_subset(body, live)
+
+
+@dataclass
+class Outcome:
+    """What one reconcile did."""
+
+    planned: bool
+    applied: list[str] = field(default_factory=list)
+    status_written: bool = False
+
+
+class Reconciler:
+    def __init__(self, client: KubeClient, emit: EventSink,
+                 clock: Callable[[], str] = utcnow) -> None:
+        self.client = client
+        self._emit = emit
+        self._clock = clock
+        # Child events and LLMDeployment events for one object arrive on different watch
+        # streams; one reconcile at a time per object keeps their reads and writes ordered.
+        self._locks: dict[tuple[str, str], asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    async def reconcile(self, namespace: str, name: str) -> Outcome | None:
+        """Bring one LLMDeployment's children and status in line; None if it is gone."""
+        async with self._locks[namespace, name]:
+            try:
+                for attempt in range(1, CONFLICT_ATTEMPTS + 1):
+                    try:
+                        return await self._reconcile_once(namespace, name)
+                    except ApiError as exc:
+                        # The object changed under us: start again from what is there now.
+                        if not exc.conflict or attempt == CONFLICT_ATTEMPTS:
+                            raise
+                        logger.info("conflict, retrying", extra={
+                            "llmdeployment": f"{namespace}/{name}", "attempt": attempt})
+                raise AssertionError("unreachable")
+            finally:
+                self.counts[namespace, name] += 1
+
+    async def _reconcile_once(self, namespace: str, name: str) -> Outcome | None:
+        body = await self.client.get(KIND, namespace, name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None  # garbage collection removes the children through ownerReferences
+        meta = body.get("metadata") or {}
+        generation = meta.get("generation")
+
+        cr: LLMDeployment | None = None
+        outcome: Plan | Refusal
+        try:
+            cr = parse_llmdeployment(body, f"{KIND} {namespace}/{name}")
+            outcome = plan(cr.spec)
+        except PlanError as exc:
+            outcome = Refusal(exc.reason, exc.message)
+        except ValueError as exc:
+            outcome = Refusal("InvalidSpec", str(exc))
+
+        result = Outcome(planned=isinstance(outcome, Plan))
+        names = child_names(name)
+        deployment: dict[str, Any] | None
+        if isinstance(outcome, Plan) and cr is not None:
+            deployment = None
+            for desired in render(cr, outcome):
+                desired["metadata"].setdefault("namespace", namespace)
+                kind, child = desired["kind"], desired["metadata"]["name"]
+                live = await self.client.get(kind, namespace, child)
+                if needs_apply(desired, live):
+                    verb = "Created" if live is None else "Updated"
+                    live = await self.client.apply(desired)
+                    result.applied.append(f"{verb} {kind} {child}")
+                if kind == "Deployment":
+                    deployment = live
+        else:
+            # A refused plan applies nothing; what runs keeps running and is still reported.
+            deployment = await self.client.get("Deployment", namespace, names["Deployment"])
+
+        old_status = body.get("status") or {}
+        status, transitions = build_status(
+            cr, name, namespace, generation, outcome, deployment, old_status, self._clock()
+        )
+        if status != old_status:
+            removed = {key: None for key in old_status if key not in status}
+            await self.client.patch_status(
+                KIND, namespace, name, {**status, **removed}, meta.get("resourceVersion")
+            )
+            result.status_written = True
+
+        self._report(body, namespace, name, result, transitions)
+        return result
+
+    def _report(self, body: dict[str, Any], namespace: str, name: str, result: Outcome,
+                transitions: list[Transition]) -> None:
+        ref = {**body, "apiVersion": body.get("apiVersion", API_VERSION), "kind": KIND}
+        for change in result.applied:
+            verb, kind, child = change.split(" ", 2)
+            self._emit(ref, "Normal", verb, f"{kind} {child}")
+        for t in transitions:
+            message = f"{t.type} is {t.status}" + (f": {t.message}" if t.message else "")
+            self._emit(ref, "Warning" if t.warning else "Normal", t.reason, message)
+        if result.applied or result.status_written:
+            logger.info("reconciled", extra={
+                "llmdeployment": f"{namespace}/{name}", "planned": result.planned,
+                "applied": result.applied, "status_written": result.status_written})

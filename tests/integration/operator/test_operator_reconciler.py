@@ -1,0 +1,219 @@
+"""The operator (kopf) against an emulated API server: the reconcile loop end to end."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from fleetllm.operator.api import API_VERSION, KIND
+
+pytestmark = pytest.mark.asyncio
+
+CRS = "/apis/fleetllm.io/v1alpha1/namespaces/default/llmdeployments"
+DEPLOYMENTS = "apps/v1/deployments"
+SERVICES = "v1/services"
+CONFIGMAPS = "v1/configmaps"
+PDBS = "policy/v1/poddisruptionbudgets"
+CR = "fleetllm.io/v1alpha1/llmdeployments"
+
+SMOLLM2: dict[str, Any] = {
+    "apiVersion": API_VERSION,
+    "kind": KIND,
+    "metadata": {"name": "smol", "namespace": "default"},
+    "spec": {
+        "model": {"name": "smollm2-135m", "source": "builtin://smollm2-135m"},
+        "gpu": {"type": "cpu"},
+        "maxModelLen": 4096,
+        "replicas": 2,
+    },
+}
+
+
+def _condition(cr: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
+    for cond in ((cr or {}).get("status") or {}).get("conditions", []):
+        if cond["type"] == ctype:
+            return cond
+    return None
+
+
+def _children(api: Any, name: str = "smol") -> dict[str, dict[str, Any] | None]:
+    return {
+        "Deployment": api.get(DEPLOYMENTS, f"{name}-engine"),
+        "Service": api.get(SERVICES, name),
+        "ConfigMap": api.get(CONFIGMAPS, f"{name}-engine"),
+        "PodDisruptionBudget": api.get(PDBS, f"{name}-engine"),
+    }
+
+
+def _events(api: Any, reason: str, text: str) -> list[dict[str, Any]]:
+    return [e for e in api.list("v1/events") if e.get("reason") == reason
+            and text in e.get("message", "") and e["involvedObject"]["kind"] == KIND]
+
+
+def _arg(deployment: dict[str, Any], flag: str) -> str:
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    return args[args.index(flag) + 1]
+
+
+async def _create(api: Any, body: dict[str, Any]) -> None:
+    async with api.post(CRS, json=body) as response:
+        assert response.status in (200, 201), await response.text()
+
+
+async def _settled(api: Any, eventually: Any, name: str = "smol") -> dict[str, Any]:
+    await eventually(lambda: all(_children(api, name).values()), "all children exist")
+    return await eventually(
+        lambda: (cr := api.get(CR, name)) and (cr.get("status") or {}).get(
+            "observedGeneration") == cr["metadata"]["generation"] and cr,
+        "status observes the current generation",
+    )
+
+
+async def test_create_update_recreate_and_restart(api: Any, start_operator: Any,
+                                                  eventually: Any) -> None:
+    operator = await start_operator()
+    await _create(api, SMOLLM2)
+    cr = await _settled(api, eventually)
+    uid = cr["metadata"]["uid"]
+
+    # Children exist, owned by the LLMDeployment, labelled for the router.
+    for kind, child in _children(api).items():
+        assert child is not None, kind
+        refs = child["metadata"]["ownerReferences"]
+        assert [(r["kind"], r["name"], r["uid"], r["controller"]) for r in refs] == [
+            (KIND, "smol", uid, True)
+        ], kind
+        assert child["metadata"]["labels"]["fleetllm.io/model"] == "smollm2-135m"
+        assert child["metadata"]["labels"]["app.kubernetes.io/instance"] == "smol"
+    deployment = api.get(DEPLOYMENTS, "smol-engine")
+    assert deployment["spec"]["replicas"] == 2
+    assert _arg(deployment, "--max-model-len") == "4096"
+    service = api.get(SERVICES, "smol")
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["ports"][0]["name"] == "http"
+
+    # Status: the plan, conditions, the scale selector.
+    status = cr["status"]
+    assert status["plan"]["maxModelLen"] == 4096
+    assert status["plan"]["maxConcurrentTokens"] >= 4096
+    assert status["plan"]["engineArgs"] == deployment["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert _condition(cr, "Planned")["status"] == "True"
+    assert _condition(cr, "Ready")["status"] == "False"
+    assert _condition(cr, "Ready")["reason"] == "NoReplicaReady"
+    assert status["desiredReplicas"] == 2
+    assert "app.kubernetes.io/instance=smol" in status["selector"]
+
+    # Status follows the Deployment: play the Deployment controller.
+    dep_status = {"observedGeneration": deployment["metadata"]["generation"], "replicas": 2,
+                  "updatedReplicas": 2, "readyReplicas": 2, "availableReplicas": 2}
+    async with api.patch("/apis/apps/v1/namespaces/default/deployments/smol-engine/status",
+                         json={"status": dep_status},
+                         headers={"Content-Type": "application/merge-patch+json"}) as response:
+        assert response.status == 200
+    cr = await eventually(
+        lambda: (c := api.get(CR, "smol")) and c["status"].get("readyReplicas") == 2 and c,
+        "readyReplicas follows the Deployment",
+    )
+    assert _condition(cr, "Ready")["status"] == "True"
+    assert _condition(cr, "Progressing")["reason"] == "RolloutComplete"
+
+    # Update maxModelLen: the Deployment's args change, observedGeneration advances, and only
+    # the children whose rendering changed are written.
+    generation = cr["metadata"]["generation"]
+    writes_before = len(api.writes())
+    service_rv = api.get(SERVICES, "smol")["metadata"]["resourceVersion"]
+    async with api.patch(f"{CRS}/smol", json={"spec": {"maxModelLen": 2048}},
+                         headers={"Content-Type": "application/merge-patch+json"}) as response:
+        assert response.status == 200
+    await eventually(lambda: _arg(api.get(DEPLOYMENTS, "smol-engine"), "--max-model-len")
+                     == "2048", "Deployment args follow maxModelLen")
+    cr = await eventually(
+        lambda: (c := api.get(CR, "smol"))["status"]["observedGeneration"] == generation + 1
+        and c, "observedGeneration advances",
+    )
+    assert cr["status"]["plan"]["maxModelLen"] == 2048
+    await eventually(lambda: '"maxModelLen":2048' in api.get(CR, "smol")["metadata"][
+        "annotations"].get("fleetllm.io/last-handled-configuration", ""),
+        "kopf records the handled spec")
+    assert api.get(SERVICES, "smol")["metadata"]["resourceVersion"] == service_rv
+    child_writes = [(r.resource.plural, r.name) for r in api.writes()[writes_before:]
+                    if r.resource is not None
+                    and r.resource.plural not in ("llmdeployments", "events")]
+    assert sorted(child_writes) == [("configmaps", "smol-engine"), ("deployments", "smol-engine")]
+
+    # A deleted child is recreated.
+    async with api.delete("/api/v1/namespaces/default/services/smol") as response:
+        assert response.status == 200
+    recreated = await eventually(lambda: api.get(SERVICES, "smol"), "the Service is recreated")
+    assert recreated["metadata"]["ownerReferences"][0]["uid"] == uid
+
+    # Events report what was done; the recreation's is posted in the background.
+    await eventually(lambda: len(_events(api, "Created", "Service smol")) == 2,
+                     "an Event for the recreated Service")
+    assert _events(api, "Updated", "Deployment smol-engine")
+    assert _events(api, "Planned", "Planned is True")
+
+    # Unchanged spec: a reconcile (here triggered by another controller touching the
+    # Deployment) writes nothing.
+    settled_count = operator.reconciles("smol")
+    writes_before = len(api.writes())
+    async with api.patch("/apis/apps/v1/namespaces/default/deployments/smol-engine",
+                         json={"metadata": {"annotations": {"other-controller/seen": "yes"}}},
+                         headers={"Content-Type": "application/merge-patch+json"}) as response:
+        assert response.status == 200
+    await eventually(lambda: operator.reconciles("smol") > settled_count,
+                     "a reconcile after the touch")
+    new_writes = api.writes()[writes_before:]
+    assert [(r.method, r.url.path) for r in new_writes] == [
+        ("PATCH", "/apis/apps/v1/namespaces/default/deployments/smol-engine")  # the test's own
+    ], [(r.method, r.url.path, r.data) for r in new_writes]
+
+    # Operator restart: the resumed reconcile finds everything in place and writes nothing.
+    await operator.stop()
+    writes_before = len(api.writes())
+    restarted = await start_operator()
+    await eventually(lambda: restarted.handled_cycles("smol") >= 1, "the resumed handling")
+    assert restarted.reconciles("smol") >= 1
+    assert [(r.method, r.url.path, r.data) for r in api.writes()[writes_before:]] == []
+
+
+async def test_unplannable_gets_planned_false_and_no_children(api: Any, start_operator: Any,
+                                                              eventually: Any) -> None:
+    await start_operator()
+    body = copy.deepcopy(SMOLLM2)
+    body["metadata"]["name"] = "too-big"
+    body["spec"] = {
+        "model": {"name": "llama-70b", "source": "hf://meta-llama/Llama-3.1-70B-Instruct"},
+        "engine": {"backend": "vllm"},
+        "gpu": {"type": "H100-80GB"},
+        "parallelism": {"tensor": 2},
+    }
+    await _create(api, body)
+    cr = await eventually(lambda: _condition(api.get(CR, "too-big"), "Planned") and
+                          api.get(CR, "too-big"), "the Planned condition")
+    planned = _condition(cr, "Planned")
+    assert planned["status"] == "False"
+    assert planned["reason"] == "KVCacheTooSmall"
+    assert "parallelism.tensor: 4" in planned["message"]
+    assert cr["status"]["observedGeneration"] == cr["metadata"]["generation"]
+    assert "plan" not in cr["status"]
+    assert all(child is None for child in _children(api, "too-big").values())
+    child_writes = [r for r in api.writes() if r.resource is not None
+                    and r.resource.plural not in ("llmdeployments", "events")]
+    assert child_writes == []
+
+    # Fixing the spec plans it and creates the children.
+    async with api.patch(f"{CRS}/too-big", json={"spec": {"parallelism": {"tensor": 4}}},
+                         headers={"Content-Type": "application/merge-patch+json"}) as response:
+        assert response.status == 200
+    await eventually(lambda: all(_children(api, "too-big").values()), "children after the fix")
+    deployment = api.get(DEPLOYMENTS, "too-big-engine")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert _arg(deployment, "--tensor-parallel-size") == "4"
+    cr = await eventually(lambda: (c := api.get(CR, "too-big")) and
+                          _condition(c, "Planned")["status"] == "True" and c, "Planned=True")
+    assert cr["status"]["plan"]["gpuCount"] == 4

@@ -161,6 +161,7 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One iteration; returns the requests that gained tokens (or finished) in it."""
         out = self.scheduler.schedule()
@@ -226,6 +227,9 @@ class LLMEngine:
         ):
             req.finish("length")
         if req.finished:
+            if final_text is None and detok is not None:
+                detok.finish()  # release a trailing partial character, as a full decode would
+                final_text = detok.text
             req.output_text = full_text if final_text is None else final_text
         elif p.stop and not p.include_stop_str_in_output:
             # Hold back a tail that could still grow into a stop string, so released text

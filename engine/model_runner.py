@@ -89,7 +89,6 @@ class ModelRunner:
             sampled=sampled,
         )
 
-    @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
         """Float32 logits [num_sampled, vocab] and the requests they belong to."""
         inp = self.prepare(batch)

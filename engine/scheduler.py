@@ -21,12 +21,14 @@ from fleetllm.engine.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    # Whether this step computes the request's last known token, and so yields a new one
+    # (false for all but the last chunk of a chunked prefill).
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step computes the request's last known token, yielding a new one."""
-        req = self.request
-        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+    @classmethod
+    def of(cls, req: Request, num_new_tokens: int) -> ScheduledRequest:
+        samples = req.num_computed_tokens + num_new_tokens == req.num_tokens
+        return cls(req, num_new_tokens, samples)
 
 
 @dataclass
@@ -69,7 +71,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, num_new))
+                out.scheduled.append(ScheduledRequest.of(req, num_new))
                 budget -= num_new
                 i += 1
 
@@ -95,7 +97,7 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new))
+            out.scheduled.append(ScheduledRequest.of(req, num_new))
             budget -= num_new
         return out
 

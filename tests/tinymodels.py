@@ -120,9 +120,12 @@ def write_tiny_model(
 
 def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face's own greedy `generate`, the correctness oracle."""
+    ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt_ids]),
+            ids,
+            # Explicit, or generate would mask out prompt tokens equal to pad_token_id.
+            attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             do_sample=False,

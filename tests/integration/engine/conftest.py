@@ -1,0 +1,52 @@
+"""Engine fixtures: tiny random checkpoints and SmolLM2-135M, each built or loaded once."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+from tinymodels import write_tiny_model
+
+from fleetllm.engine.llm import LLM
+from fleetllm.engine.model_files import resolve_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[..., tuple[Path, torch.nn.Module]]:
+    """Factory: variant name -> (checkpoint dir, the Hugging Face model), cached per session."""
+    made: dict[tuple[str, str | None], tuple[Path, torch.nn.Module]] = {}
+
+    def make(variant: str, max_shard_size: str | None = None) -> tuple[Path, torch.nn.Module]:
+        key = (variant, max_shard_size)
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"{variant}-{max_shard_size or 'single'}")
+            made[key] = write_tiny_model(path, variant, max_shard_size=max_shard_size)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_dir: Path) -> LLM:
+    """SmolLM2 in float32, the dtype in which batched and single results agree exactly."""
+    return LLM(str(smollm2_dir), dtype="float32", num_kv_blocks=512, max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir: Path) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()

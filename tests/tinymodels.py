@@ -132,3 +132,36 @@ def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
             pad_token_id=0,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def write_tiny_chat_model(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny random Llama that speaks SmolLM2's tokenizer and chat template.
+
+    Fast enough to start many engine processes in a test, while prompts and outputs are real
+    text. Its outputs are gibberish, but deterministic under greedy decoding.
+    """
+    import shutil
+
+    from fleetllm.engine.model_files import resolve_model
+
+    smollm2 = resolve_model("smollm2-135m")
+    settings = {
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **overrides,
+    }
+    model = build_hf_model("llama", settings, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(smollm2 / name, path / name)
+    return path

@@ -9,7 +9,11 @@ import pytest
 
 from fleetllm.operator.api import API_VERSION, KIND
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [
+    pytest.mark.asyncio,
+    # kmock 0.8 loads its bundled resource list with a deprecated importlib call.
+    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
+]
 
 CRS = "/apis/fleetllm.io/v1alpha1/namespaces/default/llmdeployments"
 DEPLOYMENTS = "apps/v1/deployments"

@@ -1,0 +1,282 @@
+"""The capacity planner against figures computed by hand, and its invariants."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleetllm.operator.api import LLMDeploymentSpec
+from fleetllm.operator.catalog import GPU_TYPES, MODELS, GPUType, ModelArch, find_model
+from fleetllm.operator.planner import PlanError, estimate, plan
+
+MIB = 2**20
+GIB = 2**30
+
+
+def spec(**fields: Any) -> LLMDeploymentSpec:
+    body: dict[str, Any] = {"model": {"name": "m", "source": "hf://meta-llama/Llama-3.1-8B"},
+                            "gpu": {"type": "H100-80GB"}}
+    body.update(fields)
+    return LLMDeploymentSpec.model_validate(body)
+
+
+def refusal(**fields: Any) -> PlanError:
+    with pytest.raises(PlanError) as caught:
+        plan(spec(**fields))
+    return caught.value
+
+
+# Llama-3.1-8B: 32 layers, hidden 4096, 32 heads, 8 KV heads of 128, MLP 14336, vocab 128256.
+LLAMA_8B_PARAMS = 8_030_261_248  # the published count
+
+
+def test_catalog_parameter_counts_match_the_published_ones() -> None:
+    assert MODELS["Llama-3.1-8B"].parameter_count() == LLAMA_8B_PARAMS
+    assert MODELS["Llama-3.1-70B"].parameter_count() == 70_553_706_496
+    assert MODELS["SmolLM2-135M"].parameter_count() == 134_515_008
+    assert MODELS["Qwen2.5-7B"].parameter_count() == 7_615_616_512
+    assert MODELS["Mistral-7B"].parameter_count() == 7_248_023_552
+
+
+def test_models_are_found_by_whole_name_only() -> None:
+    assert find_model("Qwen/Qwen2.5-72B-Instruct").name == "Qwen2.5-72B"
+    assert find_model("Qwen/Qwen2.5-7B-Instruct").name == "Qwen2.5-7B"
+    assert find_model("hugging-quants/Meta-Llama-3.1-8B-Instruct-AWQ-INT4").name == "Llama-3.1-8B"
+    assert find_model("meta-llama/Llama-3.1-80B") is None
+
+
+def test_llama_8b_fp16_on_h100_is_accepted_with_hand_computed_capacity() -> None:
+    memory = 81559 * MIB                              # H100 80GB HBM3 as the driver reports
+    budget = memory * 92 // 100                       # 80 GB class: 92% utilization
+    weights = LLAMA_8B_PARAMS * 2                     # bf16
+    activations = 8192 * (4 * 4096 + 2 * 14336) * 2  # 8192 batched tokens, bf16
+    logits = 512 * 128256 * 4                         # 512 sequences, fp32 logits
+    runtime = 3 * GIB // 4
+    kv_per_token = 2 * 32 * 8 * 128 * 2               # K and V, layers, KV heads, head dim, bf16
+    capacity = (budget - weights - activations - logits - runtime) // kv_per_token // 16 * 16
+
+    result = plan(spec())
+    s = result.status
+    assert s.kv_bytes_per_token == kv_per_token == 131_072
+    assert s.max_concurrent_tokens == capacity
+    assert s.max_concurrent_sequences == capacity // 131_072 == 3
+    assert s.max_model_len == 131_072
+    assert s.weights_gib == round(weights / GIB, 2) == 14.96
+    assert s.kv_cache_gib == round(capacity * kv_per_token / GIB, 2)
+    assert s.num_kv_blocks == capacity // 16
+    assert s.gpu_count == 1
+    args = s.engine_args
+    assert args[args.index("--num-kv-blocks") + 1] == str(capacity // 16)
+    assert args[args.index("--max-model-len") + 1] == "131072"
+
+
+def test_llama_8b_fp16_on_l4_is_refused_with_a_tensor_parallel_suggestion() -> None:
+    memory = 23034 * MIB
+    budget = memory * 90 // 100                       # 24 GB class: 90%
+    weights = LLAMA_8B_PARAMS * 2
+    activations = 2048 * (4 * 4096 + 2 * 14336) * 2  # 2048 batched tokens
+    logits = 256 * 128256 * 4
+    runtime = 3 * GIB // 4
+    capacity = (budget - weights - activations - logits - runtime) // 131_072 // 16 * 16
+    assert capacity < 131_072
+
+    error = refusal(gpu={"type": "L4"}, engine={"backend": "vllm"})
+    assert error.reason == "KVCacheTooSmall"
+    assert f"holds {capacity} tokens" in error.message
+    assert "parallelism.tensor: 2 (2 x L4)" in error.suggestions
+    assert f"maxModelLen: {capacity} or less" in error.suggestions
+    # The suggestion is true: two L4s hold a full sequence.
+    fixed = plan(spec(gpu={"type": "L4"}, engine={"backend": "vllm"}, parallelism={"tensor": 2}))
+    assert fixed.status.max_concurrent_sequences >= 1
+    # With a shorter context, 4-bit AWQ weights on one L4 fit.
+    awq = plan(spec(gpu={"type": "L4"}, engine={"backend": "vllm"}, maxModelLen=32768,
+                    quantization={"weights": "awq"}))
+    assert awq.status.max_concurrent_sequences >= 1
+    assert "--quantization" in awq.status.engine_args
+
+    # The builtin engine cannot split a model: the suggestion says to switch backends.
+    builtin = refusal(gpu={"type": "L4"})
+    assert "engine.backend: vllm with parallelism.tensor: 2 (2 x L4)" in builtin.suggestions
+
+
+def test_llama_70b_fp16_needs_four_h100s() -> None:
+    params = 70_553_706_496
+    memory = 81559 * MIB
+    budget = memory * 92 // 100
+    kv_heads_per_gpu = {2: 4, 4: 2}
+    for tensor, fits in ((2, False), (4, True)):
+        weights = math.ceil(params * 2 / tensor)
+        activations = 8192 * (4 * 8192 + 2 * math.ceil(28672 / tensor)) * 2
+        logits = 512 * 128256 * 4
+        runtime = 3 * GIB // 4 + GIB // 4                # plus communication buffers
+        kv_per_token = 2 * 80 * kv_heads_per_gpu[tensor] * 128 * 2
+        capacity = (budget - weights - activations - logits - runtime) // kv_per_token // 16 * 16
+        assert (capacity >= 131_072) is fits
+        fields = {"model": {"name": "m", "source": "hf://meta-llama/Llama-3.1-70B-Instruct"},
+                  "engine": {"backend": "vllm"}, "parallelism": {"tensor": tensor}}
+        if fits:
+            s = plan(spec(**fields)).status
+            assert s.max_concurrent_tokens == capacity
+            assert s.kv_bytes_per_token == kv_per_token == 81_920
+            assert s.gpu_count == 4
+            assert "--tensor-parallel-size" in s.engine_args
+        else:
+            error = refusal(**fields)
+            assert error.reason == "KVCacheTooSmall"
+            assert f"holds {capacity} tokens" in error.message
+            assert "parallelism.tensor: 4 (4 x H100-80GB)" in error.suggestions
+
+
+def test_llama_70b_on_one_h100_does_not_even_hold_the_weights() -> None:
+    error = refusal(model={"name": "m", "source": "hf://meta-llama/Llama-3.1-70B"},
+                    engine={"backend": "vllm"})
+    assert error.reason == "WeightsDoNotFit"
+    assert "131.42 GiB per device" in error.message  # 70.55e9 x 2 bytes
+
+
+def test_tensor_parallelism_must_divide_the_heads() -> None:
+    error = refusal(engine={"backend": "vllm"}, parallelism={"tensor": 3})
+    assert error.reason == "ParallelismMismatch"
+    assert "32 attention heads, not divisible by tensor parallelism 3" in error.message
+    assert "parallelism.tensor: 2" in error.suggestions
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason", "words"),
+    [
+        ({"gpu": {"type": "V100"}}, "UnknownGPUType", "'V100' is not in the catalog"),
+        ({"model": {"name": "m", "source": "hf://acme/secret-model"}}, "UnknownModel",
+         "set model.architecture"),
+        ({"model": {"name": "m", "source": "builtin://gpt-2"}}, "UnknownModel",
+         "not a built-in model"),
+        ({"gpu": {"type": "A100-80GB"}, "engine": {"backend": "vllm"},
+          "quantization": {"weights": "fp8"}}, "UnsupportedQuantization",
+         "fp8 needs an Ada or Hopper GPU"),
+        ({"gpu": {"type": "A10G"}, "engine": {"backend": "vllm"},
+          "quantization": {"kvCache": "fp8"}}, "UnsupportedQuantization", "A10G is Ampere"),
+        ({"engine": {"backend": "vllm"}, "quantization": {"kvCache": "int8"}},
+         "UnsupportedQuantization", "no int8 KV cache"),
+        ({"quantization": {"weights": "awq"}}, "UnsupportedQuantization",
+         "builtin engine serves unquantized"),
+        ({"parallelism": {"tensor": 2}}, "UnsupportedParallelism", "one device"),
+        ({"gpu": {"type": "cpu"}, "engine": {"backend": "vllm"}}, "UnsupportedBackend",
+         "needs a GPU"),
+        ({"engine": {"backend": "vllm"}, "parallelism": {"tensor": 8, "pipeline": 2}},
+         "UnsupportedParallelism", "at most 8"),
+        ({"maxModelLen": 200_000}, "MaxModelLenTooLong", "131072 tokens"),
+        ({"engine": {"extraArgs": ["--max-model-len=4096"]}}, "InvalidEngineArgs",
+         "use maxModelLen"),
+    ],
+)
+def test_refusals_name_the_reason(fields: dict[str, Any], reason: str, words: str) -> None:
+    error = refusal(**fields)
+    assert error.reason == reason
+    assert words in error.message
+
+
+def test_fp8_is_planned_on_ada_and_hopper() -> None:
+    for gpu in ("L4", "H100-80GB"):
+        s = plan(spec(gpu={"type": gpu}, engine={"backend": "vllm"}, maxModelLen=8192,
+                      quantization={"weights": "fp8", "kvCache": "fp8"})).status
+        assert s.kv_cache_dtype == "fp8"
+        assert s.kv_bytes_per_token == 2 * 32 * 8 * 128 * 1
+        assert s.engine_args[s.engine_args.index("--quantization") + 1] == "fp8"
+        assert s.engine_args[s.engine_args.index("--kv-cache-dtype") + 1] == "fp8"
+
+
+def test_cpu_replicas_size_the_kv_cache_from_the_pod_memory_limit() -> None:
+    small = spec(model={"name": "s", "source": "builtin://smollm2-135m"}, gpu={"type": "cpu"})
+    large = spec(model={"name": "s", "source": "builtin://smollm2-135m"}, gpu={"type": "cpu"},
+                 pod={"resources": {"limits": {"memory": "8Gi"}}})
+    small_plan, large_plan = plan(small), plan(large)
+    assert small_plan.status.dtype == "float32"
+    assert small_plan.status.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4
+    assert large_plan.status.device_memory_gib == 8.0
+    assert large_plan.status.num_kv_blocks > small_plan.status.num_kv_blocks
+    args = small_plan.args
+    assert args[args.index("--model") + 1] == "smollm2-135m"
+
+
+def test_inline_config_sizes_a_model_outside_the_catalog() -> None:
+    config = {"numLayers": 32, "hiddenSize": 4096, "numHeads": 32, "numKVHeads": 8,
+              "vocabSize": 128256, "maxPositionEmbeddings": 131072, "intermediateSize": 14336}
+    s = plan(spec(model={"name": "m", "source": "s3://bucket/llama", "config": config})).status
+    assert s.weights_gib == plan(spec()).status.weights_gib
+    assert s.max_concurrent_tokens == plan(spec()).status.max_concurrent_tokens
+
+
+def test_vllm_arguments() -> None:
+    s = plan(spec(model={"name": "llama", "source": "hf://meta-llama/Llama-3.1-8B@abc123"},
+                  engine={"backend": "vllm"}, maxModelLen=16384)).status
+    args = s.engine_args
+    for flag, value in [("--model", "meta-llama/Llama-3.1-8B"), ("--revision", "abc123"),
+                        ("--served-model-name", "llama"), ("--tensor-parallel-size", "1"),
+                        ("--pipeline-parallel-size", "1"), ("--gpu-memory-utilization", "0.92"),
+                        ("--max-num-seqs", str(s.max_num_seqs)),
+                        ("--max-num-batched-tokens", str(s.max_num_batched_tokens))]:
+        assert args[args.index(flag) + 1] == value, flag
+    assert "--enable-prefix-caching" in args
+    assert s.max_num_batched_tokens >= s.max_num_seqs
+
+
+# -- properties -----------------------------------------------------------------------------
+
+archs = st.builds(
+    lambda layers, kv, group, head_dim, inter_mult, vocab, tied: ModelArch(
+        name="random",
+        num_layers=layers,
+        hidden_size=kv * group * head_dim,
+        num_heads=kv * group,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_position=131072,
+        intermediate_size=kv * group * head_dim * inter_mult,
+        tied_embeddings=tied,
+    ),
+    st.integers(1, 96), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]),
+    st.sampled_from([64, 128]), st.integers(2, 5), st.integers(1000, 200_000), st.booleans(),
+) | st.sampled_from(list(MODELS.values()))
+gpus = st.sampled_from([g for g in GPU_TYPES.values() if g.is_gpu])
+
+
+@settings(max_examples=300, deadline=None)
+@given(arch=archs, gpu=gpus, tensor=st.sampled_from([1, 2, 4, 8]),
+       weights=st.sampled_from(["none", "int8", "awq"]), kv_cache=st.sampled_from(["auto", "fp8"]),
+       memory=st.integers(1 * GIB, 200 * GIB), extra=st.integers(0, 100 * GIB))
+def test_more_memory_never_lowers_capacity(arch: ModelArch, gpu: GPUType, tensor: int,
+                                           weights: str, kv_cache: str, memory: int,
+                                           extra: int) -> None:
+    kwargs = {"tensor": tensor, "weights": weights, "kv_cache": kv_cache}
+    smaller = estimate(arch, gpu, memory_bytes=memory, **kwargs)
+    larger = estimate(arch, gpu, memory_bytes=memory + extra, **kwargs)
+    assert larger.capacity_tokens >= smaller.capacity_tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(model=st.sampled_from(list(MODELS.values())), gpu=gpus,
+       tensor=st.sampled_from([1, 2, 4, 8]), weights=st.sampled_from(["none", "int8", "awq"]),
+       kv_cache=st.sampled_from(["auto", "fp8"]), context=st.integers(16, 1 << 17))
+def test_refused_for_size_exactly_when_capacity_is_below_one_sequence(
+    model: ModelArch, gpu: GPUType, tensor: int, weights: str, kv_cache: str, context: int
+) -> None:
+    context = min(context, model.max_position)
+    body = spec(model={"name": "m", "source": "s3://b/m", "architecture": model.name},
+                gpu={"type": gpu.name}, engine={"backend": "vllm"}, maxModelLen=context,
+                parallelism={"tensor": tensor},
+                quantization={"weights": weights, "kvCache": kv_cache})
+    try:
+        result = plan(body)
+    except PlanError as exc:
+        if exc.reason not in ("WeightsDoNotFit", "KVCacheTooSmall"):
+            return  # refused for a reason unrelated to size (e.g. fp8 on Ampere)
+        est = estimate(model, gpu, tensor=tensor, weights=weights, kv_cache=kv_cache)
+        assert est.capacity_tokens < context
+    else:
+        assert result.status.max_concurrent_tokens >= context
+        assert result.status.max_concurrent_sequences >= 1
+        assert 1 <= result.status.max_num_seqs <= result.status.max_num_batched_tokens

@@ -77,8 +77,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="peering priority; the highest live one acts (default: random)")
     p_run.add_argument("--liveness", default=None, metavar="URL",
                        help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
-    p_run.add_argument("--resync-seconds", type=float, default=300.0,
-                       help="re-check every LLMDeployment this often (default: %(default)s)")
     p_run.add_argument("--log-format", choices=["json", "plain"], default="json")
     p_run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p_run.set_defaults(func=cmd_operator_run)
@@ -178,7 +176,6 @@ def cmd_operator_run(args: argparse.Namespace) -> int:
         peering=args.peering,
         priority=args.priority,
         liveness=args.liveness,
-        resync_seconds=args.resync_seconds,
         log_json=args.log_format == "json",
         verbose=args.verbose,
     )

@@ -2,12 +2,14 @@
 
 All decisions live in the reconciler; handlers here only say *when* to reconcile:
 - the LLMDeployment is created, changed, or found on start (resume);
-- one of its children changes or disappears (drift, deletion, Deployment status);
-- a periodic resync, so that anything missed is caught up.
+- one of its children changes or disappears (drift, deletion, Deployment status).
+There are no timers or daemons: kopf would put a finalizer on every LLMDeployment for them,
+and nothing here needs cleanup beyond the garbage collection that ownerReferences give.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import socket
@@ -26,6 +28,7 @@ from fleetllm.operator.render import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER
 logger = logging.getLogger("fleetllm.operator")
 
 HANDLER_RETRIES = 10
+CHILD_RETRIES = 5
 MAX_BACKOFF_SECONDS = 60.0
 CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "PodDisruptionBudget")
 
@@ -81,7 +84,7 @@ def _owner_name(body: dict[str, Any]) -> str | None:
     return (meta.get("labels") or {}).get(LABEL_INSTANCE)
 
 
-def build_registry(resync_seconds: float = 300.0) -> kopf.OperatorRegistry:
+def build_registry() -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -100,15 +103,6 @@ def build_registry(resync_seconds: float = 300.0) -> kopf.OperatorRegistry:
     ) -> None:
         await _reconcile_or_retry(memo, namespace, name, retry)
 
-    @kopf.timer(GROUP, VERSION, PLURAL, registry=registry, interval=resync_seconds,
-                initial_delay=resync_seconds)
-    async def resync(name: str, namespace: str, memo: OperatorState, **_: Any) -> None:
-        try:
-            await memo.reconciler.reconcile(namespace, name)
-        except (TimeoutError, ApiError, aiohttp.ClientError) as exc:
-            logger.warning("resync failed", extra={"llmdeployment": f"{namespace}/{name}",
-                                                   "error": str(exc)})
-
     for kind in CHILD_KINDS:
         resource = RESOURCES[kind]
         group, _, version = resource.api_version.rpartition("/")
@@ -123,11 +117,21 @@ def build_registry(resync_seconds: float = 300.0) -> kopf.OperatorRegistry:
             owner = _owner_name(body)
             if type is None or owner is None:
                 return
-            try:
-                await memo.reconciler.reconcile(namespace, owner)
-            except (TimeoutError, ApiError, aiohttp.ClientError) as exc:
-                logger.warning("reconcile after a child change failed", extra={
-                    "llmdeployment": f"{namespace}/{owner}", "error": str(exc)})
+            # Watch handlers get no retries from kopf; retry here, bounded.
+            for retry in range(CHILD_RETRIES):
+                try:
+                    await memo.reconciler.reconcile(namespace, owner)
+                    return
+                except (TimeoutError, ApiError, aiohttp.ClientError) as exc:
+                    final = retry == CHILD_RETRIES - 1 or (
+                        isinstance(exc, ApiError) and not exc.retryable
+                    )
+                    logger.warning("reconcile after a child change failed", extra={
+                        "llmdeployment": f"{namespace}/{owner}", "error": str(exc),
+                        "retry": retry, "giving_up": final})
+                    if final:
+                        return
+                    await asyncio.sleep(_backoff(retry))
 
     return registry
 
@@ -169,7 +173,6 @@ def run(
     peering: str,
     priority: int | None,
     liveness: str | None,
-    resync_seconds: float,
     log_json: bool,
     verbose: bool,
 ) -> int:
@@ -177,7 +180,7 @@ def run(
                    else kopf.LogFormat.FULL)
     settings = make_settings(standalone=standalone, peering=peering, priority=priority)
     kopf.run(
-        registry=build_registry(resync_seconds),
+        registry=build_registry(),
         settings=settings,
         memo=OperatorState.create(default_login),
         clusterwide=clusterwide,

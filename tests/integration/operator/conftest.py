@@ -321,7 +321,7 @@ class RunningOperator:
         settings.watching.reconnect_backoff = 0.05
         try:
             asyncio.run(kopf.operator(
-                registry=build_registry(resync_seconds=3600),
+                registry=build_registry(),
                 settings=settings,
                 memo=self.state,
                 namespaces=[NAMESPACE],

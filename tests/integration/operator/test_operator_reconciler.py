@@ -81,6 +81,8 @@ async def test_create_update_recreate_and_restart(api: Any, start_operator: Any,
     await _create(api, SMOLLM2)
     cr = await _settled(api, eventually)
     uid = cr["metadata"]["uid"]
+    # Nothing needs cleanup beyond garbage collection: no finalizer blocks deletion.
+    assert not cr["metadata"].get("finalizers")
 
     # Children exist, owned by the LLMDeployment, labelled for the router.
     for kind, child in _children(api).items():

@@ -165,7 +165,9 @@ class QuantizationSpec(_Model):
         "gptq: the source must be a checkpoint quantized that way.",
     )
     kv_cache: Literal["auto", "fp8", "int8"] = Field(
-        "auto", description="KV cache element type; auto follows the model dtype."
+        "auto",
+        description="KV cache element type: auto follows the model dtype; fp8 needs vLLM on "
+        "Ada/Hopper; no backend serves int8 yet (the planner refuses it).",
     )
 
 

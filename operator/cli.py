@@ -11,7 +11,7 @@ import yaml
 
 from fleetllm.operator.api import LLMDeployment, load_llmdeployments
 from fleetllm.operator.catalog import GIB
-from fleetllm.operator.crd import crd_yaml
+from fleetllm.operator.crd import crd_yaml, reference_markdown
 from fleetllm.operator.planner import Plan, PlanError, plan
 from fleetllm.operator.render import render
 
@@ -53,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p_render.set_defaults(func=cmd_render)
 
     p_crds = sub.add_parser("crds", help="print the LLMDeployment CustomResourceDefinition")
+    p_crds.add_argument("--reference", action="store_true",
+                        help="print the field reference (Markdown) instead")
     p_crds.set_defaults(func=cmd_crds)
 
     p_op = sub.add_parser("operator", help="the Kubernetes operator")
@@ -162,7 +164,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_crds(args: argparse.Namespace) -> int:
-    sys.stdout.write(crd_yaml())
+    sys.stdout.write(reference_markdown() if args.reference else crd_yaml())
     return 0
 
 

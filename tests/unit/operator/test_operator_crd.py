@@ -14,7 +14,7 @@ import yaml
 from openapi_schema_validator import OAS30Validator
 
 from fleetllm.operator.api import parse_llmdeployment
-from fleetllm.operator.crd import crd, crd_yaml
+from fleetllm.operator.crd import crd, crd_yaml, reference_markdown
 from fleetllm.operator.planner import PlanError, plan
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -74,6 +74,13 @@ def _examples() -> list[dict[str, Any]]:
 def test_crds_folder_holds_the_current_generated_crd() -> None:
     assert CRD_FILE.read_text() == crd_yaml(), "regenerate: fleetllm crds > " + str(
         CRD_FILE.relative_to(ROOT))
+
+
+def test_the_field_reference_is_current() -> None:
+    reference = ROOT / "docs" / "crd-reference.md"
+    assert reference.read_text() == reference_markdown(), (
+        "regenerate: fleetllm crds --reference > docs/crd-reference.md")
+    assert "| `spec.scaling.targetKVCacheUsage` | number |" in reference.read_text()
 
 
 @pytest.mark.parametrize("version", ["1.30", "1.37"])

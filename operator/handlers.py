@@ -36,11 +36,15 @@ CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "PodDisruptionBudget")
 def default_login() -> kopf.ConnectionInfo:
     """The pod's service account in a cluster, else the kubeconfig."""
     settings = kopf.OperatorSettings()
-    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-        settings=settings
-    )
+    try:
+        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+            settings=settings
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"cannot read Kubernetes credentials: {exc}") from None
     if info is None:
-        raise kopf.LoginError("no credentials: not in a cluster and no kubeconfig found")
+        raise ValueError("no Kubernetes credentials: not in a cluster and no kubeconfig found "
+                         "(set KUBECONFIG or run in a pod with a service account)")
     return info
 
 
@@ -178,6 +182,7 @@ def run(
 ) -> int:
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat.JSON if log_json
                    else kopf.LogFormat.FULL)
+    default_login()  # fail fast, with a clear message, when there are no credentials at all
     settings = make_settings(standalone=standalone, peering=peering, priority=priority)
     kopf.run(
         registry=build_registry(),

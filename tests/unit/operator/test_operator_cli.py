@@ -121,3 +121,14 @@ def test_bad_files_give_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
     assert err.startswith(f"fleetllm: error: {path}")
     assert message in err
     assert "Traceback" not in err
+
+
+def test_operator_run_without_credentials_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))
+    assert main(["operator", "run", "-n", "default"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fleetllm: error: cannot read Kubernetes credentials")
+    assert "missing-kubeconfig" in err

@@ -395,7 +395,9 @@ def _suggestions(
                            kv_cache=quant.kv_cache)
             if _fits(est, max_model_len):
                 prefix = "" if vllm else "engine.backend: vllm with "
-                found.append(f"{prefix}quantization.weights: {weights}")
+                # fp8 quantizes at load; int8 and awq need a checkpoint quantized that way.
+                note = "" if weights == "fp8" else f" (an {weights} checkpoint as model.source)"
+                found.append(f"{prefix}quantization.weights: {weights}{note}")
                 break
         if gpu.supports_fp8 and quant.kv_cache == "auto" and vllm:
             est = estimate(arch, gpu, tensor=tp, pipeline=pp, dtype=dtype,

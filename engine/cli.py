@@ -1,8 +1,10 @@
-"""`fleetllm generate`: a one-shot generation with the engine, streamed to stdout."""
+"""Engine commands: `fleetllm generate` (one generation, streamed to stdout) and
+`fleetllm engine serve` (the OpenAI-compatible HTTP server)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -21,6 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
     )
     p.set_defaults(func=_generate)
+
+    engine = sub.add_parser("engine", help="run the inference engine")
+    engine_sub = engine.add_subparsers(dest="engine_command", required=True, metavar="COMMAND")
+    _register_serve(engine_sub)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -48,3 +54,125 @@ def _generate(args: argparse.Namespace) -> int:
             printed = len(text)
     sys.stdout.write("\n")
     return 0
+
+
+def _register_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (completions, chat "
+        "completions, models, tokenize, health, Prometheus metrics).",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model alias, HF directory or .gguf")
+    p.add_argument("--host", default="0.0.0.0", help="address to bind (default: all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use for the model; the first labels the metrics "
+        "(default: the --model value)",
+    )
+    p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache size in blocks")
+    kv.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=0.25,
+        help="size the KV cache as this fraction of free memory (default 0.25)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads (default: torch's own)"
+    )
+    p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: prompts must be token ids, outputs carry no text",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("FLEETLLM_API_KEY"),
+        help="require 'Authorization: Bearer <key>' on the API (default: $FLEETLLM_API_KEY)",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 while this many requests wait for a slot (default: no bound)",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="refuse larger request bodies with 413 (default 8 MiB)",
+    )
+    p.add_argument(
+        "--shutdown-grace-period",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM (default 30)",
+    )
+    p.add_argument(
+        "--log-requests-text",
+        action="store_true",
+        help="include prompts and completions in the per-request log lines",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from fleetllm.engine.config import EngineConfig
+    from fleetllm.engine.model_files import resolve_model
+    from fleetllm.engine.server import ServerSettings, run_server
+
+    for flag, value, low in (
+        ("--port", args.port, 0),
+        ("--max-request-body-bytes", args.max_request_body_bytes, 1),
+        ("--max-waiting-requests", args.max_waiting_requests, 0),
+        ("--shutdown-grace-period", args.shutdown_grace_period, 0),
+    ):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+        device=args.device,
+        num_threads=args.num_threads,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )
+    # Fail fast, before binding, on what can be checked without loading the weights.
+    config.validate()
+    model_root = str(resolve_model(args.model))
+    settings = ServerSettings(
+        model_names=args.served_model_name or [args.model],
+        model_root=model_root,
+        api_key=args.api_key or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        log_requests_text=args.log_requests_text,
+        shutdown_grace_period=args.shutdown_grace_period,
+    )
+    return run_server(
+        config,
+        settings,
+        host=args.host,
+        port=args.port,
+        max_waiting_requests=args.max_waiting_requests,
+        log_level=args.log_level,
+    )

@@ -1,0 +1,294 @@
+"""The engine on its own thread, served to asyncio callers.
+
+`LLMEngine` is not thread-safe, so exactly one thread owns it: it loads the model, then loops
+over `step()`. The event loop hands it add/abort commands through a locked list (applied
+between steps) and gets outputs back with `loop.call_soon_threadsafe`. When there is nothing to
+do the thread sleeps on a condition variable, so an idle server burns no CPU. Each step's
+outputs reach their `RequestStream` as one batch; outputs are cumulative, so a consumer that
+falls behind simply sees the latest state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fleetllm.engine.engine import EngineStats, LLMEngine
+from fleetllm.engine.request import RequestOutput
+from fleetllm.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; nothing more will be generated."""
+
+
+class EngineNotReadyError(RuntimeError):
+    """The model is still loading, or the engine is shutting down."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is at its bound."""
+
+
+@dataclass
+class EngineRequest:
+    """One engine request: a single choice (n=1) of a single prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class RequestStream:
+    """The outputs of a group of engine requests: the n choices of one or more prompts.
+
+    Iterate `updates()` for batches of `(index, cumulative output)`; `abort()` stops whatever
+    has not finished (idempotent, safe after completion).
+    """
+
+    def __init__(self, owner: AsyncEngine, requests: list[EngineRequest]) -> None:
+        self._owner = owner
+        self.requests = requests
+        self.latest: list[RequestOutput | None] = [None] * len(requests)
+        self._dirty: dict[int, None] = {}  # insertion-ordered set of indices with news
+        self._event = asyncio.Event()
+        self._error: BaseException | None = None
+        self._unfinished = len(requests)
+        self._aborted = False
+
+    @property
+    def finished(self) -> bool:
+        return self._unfinished == 0
+
+    def abort(self) -> None:
+        if self._unfinished and not self._aborted:
+            self._aborted = True
+            self._owner._abort(self)
+
+    async def updates(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        while True:
+            if self._dirty:
+                batch = [(i, self.latest[i]) for i in self._dirty]
+                self._dirty.clear()
+                yield batch  # type: ignore[misc]
+                continue
+            if self._error is not None:
+                raise self._error
+            if self._unfinished == 0:
+                return
+            self._event.clear()
+            await self._event.wait()
+
+    async def final(self) -> list[RequestOutput]:
+        async for _ in self.updates():
+            pass
+        return [out for out in self.latest if out is not None]
+
+    # -- called on the event loop by the owner --------------------------------------------
+
+    def _update(self, index: int, output: RequestOutput) -> None:
+        self.latest[index] = output
+        self._dirty[index] = None
+        if output.finished:
+            self._unfinished -= 1
+        self._event.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        self._event.set()
+
+
+# Called on the engine thread after each iteration with the outputs of the requests aborted
+# and stepped in it, and the stats after it.
+StepObserver = Callable[[list[RequestOutput], EngineStats], None]
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        factory: Callable[[], LLMEngine],
+        *,
+        max_waiting_requests: int | None = None,
+        on_step: StepObserver | None = None,
+    ) -> None:
+        self._factory = factory
+        self.max_waiting_requests = max_waiting_requests
+        self._on_step = on_step
+        self._cond = threading.Condition()
+        self._commands: list[tuple[str, RequestStream]] = []  # guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, tuple[RequestStream, int]] = {}  # event loop only
+        self.engine: LLMEngine | None = None  # set once loaded; read-only outside the thread
+        self.stats: EngineStats | None = None  # the latest snapshot, replaced whole
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready.is_set() and self.error is None and not self._stopping
+
+    @property
+    def dead(self) -> bool:
+        return self.error is not None
+
+    async def wait_loaded(self) -> None:
+        """Wait until the model is loaded; raise what loading raised, if it failed."""
+        await self.ready.wait()
+        if self.error is not None:
+            raise self.error
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    def abort_all(self) -> None:
+        for stream in {s for s, _ in self._streams.values()}:
+            stream.abort()
+
+    # -- requests (event loop) ------------------------------------------------------------------
+
+    def submit(self, requests: list[EngineRequest]) -> RequestStream:
+        """Queue requests in the engine; their outputs arrive on the returned stream."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine has failed: {self.error}")
+        if not self.ready.is_set() or self._stopping:
+            raise EngineNotReadyError("the engine is not accepting requests")
+        stream = RequestStream(self, requests)
+        with self._cond:
+            if self.max_waiting_requests is not None:
+                pending = sum(len(s.requests) for kind, s in self._commands if kind == "add")
+                waiting = (self.stats.num_waiting if self.stats else 0) + pending
+                if waiting >= self.max_waiting_requests:
+                    raise EngineOverloadedError(
+                        f"the server is overloaded: {waiting} requests are waiting "
+                        f"(the bound is {self.max_waiting_requests}); retry later"
+                    )
+            self._commands.append(("add", stream))
+            self._cond.notify()
+        for index, req in enumerate(requests):
+            self._streams[req.request_id] = (stream, index)
+        return stream
+
+    def _abort(self, stream: RequestStream) -> None:
+        for req in stream.requests:
+            self._streams.pop(req.request_id, None)
+        with self._cond:
+            self._commands.append(("abort", stream))
+            self._cond.notify()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is None:  # aborted while the step ran
+                continue
+            stream, index = entry
+            stream._update(index, out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _reject(self, stream: RequestStream, exc: BaseException) -> None:
+        for req in stream.requests:
+            self._streams.pop(req.request_id, None)
+        stream._fail(exc)
+
+    def _on_loaded(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.ready.set()
+
+    def _on_dead(self, exc: BaseException) -> None:
+        self.error = exc
+        self.ready.set()
+        dead = EngineDeadError(f"the engine has failed: {exc}")
+        streams = {s for s, _ in self._streams.values()}
+        self._streams.clear()
+        for stream in streams:
+            stream._fail(dead)
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _call(self, fn: Callable[..., object], *args: object) -> None:
+        assert self._loop is not None
+        # The loop may have closed already: the process is exiting.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _run(self) -> None:
+        try:
+            engine = self._factory()
+            self.stats = engine.stats()
+        except BaseException as exc:
+            log.exception("the engine failed to load")
+            self._call(self._on_dead, exc)
+            return
+        self._call(self._on_loaded, engine)
+        try:
+            self._loop_forever(engine)
+        except BaseException as exc:
+            log.exception("the engine loop failed")
+            self._call(self._on_dead, exc)
+
+    def _loop_forever(self, engine: LLMEngine) -> None:
+        while True:
+            with self._cond:
+                while not (self._commands or self._stopping or engine.has_unfinished_requests()):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                commands, self._commands = self._commands, []
+            aborted: list[RequestOutput] = []
+            for kind, stream in commands:
+                if kind == "add":
+                    self._add(engine, stream)
+                    continue
+                for req in stream.requests:
+                    out = engine.abort_request(req.request_id)
+                    if out is not None:
+                        aborted.append(out)
+            outputs = engine.step() if engine.has_unfinished_requests() else []
+            # Stats first: a caller that sees its request finish then reads fresh counters.
+            self.stats = stats = engine.stats()
+            if self._on_step is not None:
+                self._on_step(aborted + outputs, stats)
+            if outputs:
+                self._call(self._deliver, outputs)
+
+    def _add(self, engine: LLMEngine, stream: RequestStream) -> None:
+        added: list[str] = []
+        try:
+            for req in stream.requests:
+                engine.add_request(
+                    req.request_id, req.prompt_token_ids, req.params, req.arrival_time
+                )
+                added.append(req.request_id)
+        except ValueError as exc:
+            for request_id in added:
+                engine.abort_request(request_id)
+            self._call(self._reject, stream, exc)

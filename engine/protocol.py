@@ -1,0 +1,239 @@
+"""Request models and errors of the engine's OpenAI-compatible API.
+
+Field names, defaults and error shapes follow vLLM's OpenAI server. Unknown fields are ignored,
+as OpenAI does. Types are strict (a string is not a number), so a malformed request is answered
+with a 400 that names the offending field rather than being coerced into something else.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ERROR_TYPES: dict[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestEntityTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def from_value_error(exc: ValueError, default_param: str | None = None) -> APIError:
+    """SamplingParams and the tokenizer say "<field> must ..."; name that field as `param`."""
+    message = str(exc)
+    first = message.split(" ", 1)[0]
+    param = first if first.isidentifier() and first.islower() else default_param
+    return bad_request(message, param)
+
+
+Int = Annotated[int, Field(strict=True)]
+Float = Annotated[float, Field(strict=True)]
+Bool = Annotated[bool, Field(strict=True)]
+Str = Annotated[str, Field(strict=True)]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: Bool | None = False
+
+
+class _SamplingFields(OpenAIModel):
+    """Fields shared by completions and chat completions; None means "the default"."""
+
+    model: Str | None = None
+    n: Int = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    stop: Str | list[Str] | None = None
+    stop_token_ids: list[Int] | None = None
+    include_stop_str_in_output: Bool = False
+    ignore_eos: Bool = False
+    min_tokens: Int = 0
+    skip_special_tokens: Bool = True
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    user: Str | None = None
+    logit_bias: dict[Str, Float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = str | list[int]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
+    echo: Bool = False
+    suffix: Str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> list[Prompt]:
+        return normalize_prompt(value)
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def normalize_prompt(value: Any) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids or a list of those -> a list of prompts."""
+    if isinstance(value, str):
+        prompts: list[Prompt] = [value]
+    elif _is_token_ids(value):
+        prompts = [value]
+    elif (
+        isinstance(value, list)
+        and value
+        and (all(isinstance(p, str) for p in value) or all(_is_token_ids(p) for p in value))
+    ):
+        prompts = list(value)
+    else:
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "lists of token ids, and must not be empty"
+        )
+    if any(isinstance(p, str) and not p for p in prompts):
+        raise ValueError("prompt must not be empty")
+    return prompts
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[dict[Str, Any]], Field(min_length=1)]
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    chat_template_kwargs: dict[Str, Any] | None = None
+    response_format: dict[Str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError("response_format: only {'type': 'text'} is supported")
+        return value
+
+
+class TokenizeCompletionRequest(OpenAIModel):
+    model: Str | None = None
+    prompt: Str
+    add_special_tokens: Bool = True
+    return_token_strs: Bool = False
+
+
+class TokenizeChatRequest(OpenAIModel):
+    model: Str | None = None
+    messages: Annotated[list[dict[Str, Any]], Field(min_length=1)]
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
+    return_token_strs: Bool = False
+    chat_template_kwargs: dict[Str, Any] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: Str | None = None
+    tokens: list[Int]
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_request(model: type[M], body: bytes) -> M:
+    """Validate a JSON body; a malformed one becomes a 400 naming the first bad field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    err = exc.errors(include_url=False)[0]
+    kind = err["type"]
+    if kind == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {err['msg']}")
+    if kind == "model_type":
+        return bad_request("the request body must be a JSON object")
+    loc = [str(part) for part in err["loc"]]
+    # Union members add their own type name to the path (e.g. "stop.str"); drop those.
+    fields = [p for p in loc if not p.startswith(("str", "list[", "int", "float", "bool"))]
+    param = ".".join(fields) or None
+    msg = err["msg"].removeprefix("Value error, ")
+    return bad_request(f"{param}: {msg}" if param else msg, param)
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+def parse_tokenize_request(body: bytes) -> TokenizeRequest:
+    """/tokenize takes either a prompt or chat messages, as vLLM's does."""
+    import json
+
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if isinstance(data, dict) and "messages" in data:
+        return parse_request(TokenizeChatRequest, body)
+    return parse_request(TokenizeCompletionRequest, body)

@@ -1,0 +1,380 @@
+"""The engine's OpenAI-compatible HTTP server: app factory, routes, and the process runner.
+
+Routes stay thin: they read and validate the body, then hand over to `OpenAIServing`. The
+runner owns the process lifecycle: it binds the port at once (/health says 503 until the
+model is loaded), and on SIGTERM or SIGINT it drains: new requests and /health get 503,
+in-flight ones finish within the grace period (then they are aborted), and it exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fleetllm import __version__
+from fleetllm.engine.async_engine import AsyncEngine
+from fleetllm.engine.config import EngineConfig
+from fleetllm.engine.engine import LLMEngine
+from fleetllm.engine.metrics import EngineMetrics
+from fleetllm.engine.openai_serving import OpenAIServing
+from fleetllm.engine.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    error_body,
+    parse_request,
+    parse_tokenize_request,
+)
+
+log = logging.getLogger("fleetllm.engine.server")
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class ServerSettings:
+    model_names: list[str]
+    model_root: str = ""
+    api_key: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_requests_text: bool = False
+    shutdown_grace_period: float = 30.0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class ServerState:
+    """What the routes share: the engine, its metrics, and whether we are draining."""
+
+    def __init__(self, settings: ServerSettings, engine: AsyncEngine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.serving = OpenAIServing(
+            engine, settings.model_names, log_requests_text=settings.log_requests_text
+        )
+        self.metrics: EngineMetrics | None = None
+        self.draining = False
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down")
+        if self.engine.dead:
+            raise APIError(503, f"the engine has failed: {self.engine.error}")
+        if not self.engine.is_ready:
+            raise APIError(503, "the model is still loading")
+
+
+def build_app(settings: ServerSettings, engine: AsyncEngine, metrics: EngineMetrics) -> FastAPI:
+    """The ASGI app over an engine; the caller starts the engine (see `run_server`)."""
+    state = ServerState(settings, engine)
+    state.metrics = metrics
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not engine.started:
+            engine.start()
+        yield
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(
+        title="fleetllm engine",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.server = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.status >= 500:
+            log.warning("request refused", extra={"status": exc.status, "error": exc.message})
+        else:
+            log.info(
+                "request rejected",
+                extra={"path": request.url.path, "status": exc.status, "error": exc.message},
+            )
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(400, str(exc)), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(500, "internal server error"), status_code=500)
+
+    async def require_api_key(request: Request) -> None:
+        key = settings.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), key.encode()
+        ):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
+
+    async def read_body(request: Request) -> bytes:
+        """The raw body, refused with 413 as soon as it is known to exceed the limit."""
+        limit = settings.max_request_body_bytes
+        declared = request.headers.get("content-length")
+        too_large = APIError(413, f"the request body is larger than the limit of {limit} bytes")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    open_routes = APIRouter()
+    api = APIRouter(dependencies=[Depends(require_api_key)])
+
+    @open_routes.get("/health")
+    async def health() -> Response:
+        state.check_accepting()
+        return Response(status_code=200)
+
+    @open_routes.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @open_routes.get("/metrics")
+    async def metrics_route() -> Response:
+        assert state.metrics is not None
+        return Response(state.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        loaded = engine.engine
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": settings.created,
+                "owned_by": "fleetllm",
+                "root": settings.model_root or settings.model_names[0],
+                "parent": None,
+                "max_model_len": loaded.max_model_len if loaded else None,
+            }
+            for name in settings.model_names
+        ]
+        return {"object": "list", "data": data}
+
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        state.check_accepting()
+        req = parse_request(CompletionRequest, await read_body(request))
+        return await state.serving.create_completion(req, request)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        state.check_accepting()
+        req = parse_request(ChatCompletionRequest, await read_body(request))
+        return await state.serving.create_chat_completion(req, request)
+
+    @api.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        state.check_accepting()
+        req = parse_tokenize_request(await read_body(request))
+        serving = state.serving
+        serving.check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            text = serving.apply_chat_template(
+                req.messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+            )
+        else:
+            text = req.prompt
+        tokens = await serving.encode(text, add_special_tokens=req.add_special_tokens)
+        tokenizer = serving.tokenizer()
+        return {
+            "count": len(tokens),
+            "max_model_len": serving.max_model_len,
+            "tokens": tokens,
+            "token_strs": tokenizer.convert_ids_to_tokens(tokens)
+            if req.return_token_strs
+            else None,
+        }
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        state.check_accepting()
+        req = parse_request(DetokenizeRequest, await read_body(request))
+        serving = state.serving
+        serving.check_model(req.model)
+        serving.check_token_ids(req.tokens, "tokens")
+        tokenizer = serving.tokenizer()
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    app.include_router(open_routes)
+    app.include_router(api)
+    return app
+
+
+# -- the process ---------------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with our signal handling: the first SIGTERM/SIGINT drains, a second
+    one exits at once. (uvicorn's own handling would stop at once and re-raise the signal,
+    so the process would not exit 0.)"""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._drain_task: asyncio.Task[None] | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT)
+        for sig in signals:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if self._drain_task is None:
+            log.info("draining", extra={"signal": signal.Signals(sig).name})
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        else:
+            self.should_exit = True
+            self.force_exit = True
+
+    async def _drain(self) -> None:
+        state = self.state
+        state.draining = True
+        engine = state.engine
+        deadline = time.monotonic() + state.settings.shutdown_grace_period
+        while engine.num_active_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_active_requests:
+            log.warning(
+                "grace period over: aborting requests",
+                extra={"requests": engine.num_active_requests},
+            )
+            engine.abort_all()
+        self.should_exit = True
+
+
+def run_server(
+    config: EngineConfig,
+    settings: ServerSettings,
+    *,
+    host: str,
+    port: int,
+    max_waiting_requests: int | None = None,
+    log_level: str = "info",
+) -> int:
+    """Serve until drained by a signal; the exit code (0 after a drain, 1 if loading failed)."""
+    configure_logging(log_level)
+    metrics: EngineMetrics | None = None
+
+    def observe(outputs: Any, stats: Any) -> None:
+        assert metrics is not None
+        metrics.observe_step(outputs, stats)
+
+    engine = AsyncEngine(
+        lambda: LLMEngine(config), max_waiting_requests=max_waiting_requests, on_step=observe
+    )
+    metrics = EngineMetrics(settings.model_names[0], lambda: engine.stats)
+    app = build_app(settings, engine, metrics)
+    uv_config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    server = _Server(uv_config, app.state.server)
+    exit_code = 0
+
+    async def main() -> None:
+        nonlocal exit_code
+        serve = asyncio.create_task(server.serve())
+        # Bind first, load beside it: /health answers 503 until the model is ready.
+        while not server.started and not serve.done():
+            await asyncio.sleep(0.01)
+        if not serve.done():
+            try:
+                await engine.wait_loaded()
+                log.info(
+                    "serving",
+                    extra={"host": host, "port": port, "models": settings.model_names},
+                )
+            except BaseException:
+                exit_code = 1
+                server.should_exit = True
+        await serve
+        if not server.started:
+            exit_code = 1
+
+    asyncio.run(main())
+    return exit_code
+
+
+class JSONFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and any `extra` fields."""
+
+    _standard = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+    converter = time.gmtime
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key not in self._standard and not key.startswith("_"):
+                entry[key] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str, ensure_ascii=False)
+
+
+def configure_logging(level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JSONFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

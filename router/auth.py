@@ -1,0 +1,197 @@
+"""API keys and per-key rate limits.
+
+Keys come from a file (reloaded on change) or a Kubernetes Secret (one key per data entry).
+Only SHA-256 digests are kept, and a presented key is compared with every digest in constant
+time, so neither a key nor which key matched leaks through timing. Limits are token buckets:
+requests per minute, and tokens per minute charged after each response from its `usage`
+(or an estimate where the response has none); a key whose token bucket is empty waits until
+it refills.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    name: str
+    digest: bytes
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+
+def digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+
+
+def _limit(value: Any, what: str, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: {what} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_keys(
+    text: str,
+    default_rpm: int | None = None,
+    default_tpm: int | None = None,
+    where: str = "keys file",
+) -> list[ApiKey]:
+    """Either one key per line (`#` starts a comment), or YAML:
+    `keys: [{name, key, requestsPerMinute, tokensPerMinute}, ...]`."""
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError:
+        doc = None
+    keys: list[ApiKey] = []
+    if isinstance(doc, dict):
+        entries = doc.get("keys")
+        if not isinstance(entries, list):
+            raise ValueError(f"{where}: `keys` must be a list")
+        for index, entry in enumerate(entries, start=1):
+            at = f"{where}: keys[{index}]"
+            if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
+                raise ValueError(f"{at}: needs a string `key`")
+            if not entry["key"].strip():
+                raise ValueError(f"{at}: the key is empty")
+            rpm = _limit(entry.get("requestsPerMinute"), "requestsPerMinute", at)
+            tpm = _limit(entry.get("tokensPerMinute"), "tokensPerMinute", at)
+            keys.append(
+                ApiKey(
+                    name=str(entry.get("name") or f"key-{index}"),
+                    digest=digest(entry["key"].strip()),
+                    requests_per_minute=rpm if rpm is not None else default_rpm,
+                    tokens_per_minute=tpm if tpm is not None else default_tpm,
+                )
+            )
+    else:
+        for number, line in enumerate(text.splitlines(), start=1):
+            secret = line.split("#", 1)[0].strip()
+            if secret:
+                keys.append(ApiKey(f"key-{number}", digest(secret), default_rpm, default_tpm))
+    names = [k.name for k in keys]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: key names must be unique")
+    return keys
+
+
+def keys_from_secret(
+    secret: dict[str, Any], default_rpm: int | None = None, default_tpm: int | None = None
+) -> list[ApiKey]:
+    """One key per data entry of a Kubernetes Secret; the entry's name names the key."""
+    keys = []
+    for name, encoded in sorted((secret.get("data") or {}).items()):
+        try:
+            value = base64.b64decode(encoded, validate=True).decode("utf-8").strip()
+        except (binascii.Error, UnicodeDecodeError, TypeError):
+            raise ValueError(f"Secret entry {name!r} is not base64 of UTF-8 text") from None
+        if value:
+            keys.append(ApiKey(name, digest(value), default_rpm, default_tpm))
+    return keys
+
+
+class KeyStore:
+    """The keys in force. Disabled until a key source is configured; once it is, a request
+    needs a key even when the source lists none."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._keys: tuple[ApiKey, ...] = ()
+
+    def replace(self, keys: list[ApiKey]) -> None:
+        self.enabled = True
+        self._keys = tuple(keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def authenticate(self, presented: str | None) -> ApiKey | None:
+        if not presented:
+            return None
+        wanted = digest(presented)
+        found = None
+        for key in self._keys:
+            # No early exit: the time taken does not depend on which key matched.
+            if hmac.compare_digest(key.digest, wanted):
+                found = key
+        return found
+
+
+def bearer_token(header: str | None) -> str | None:
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
+
+
+class _Bucket:
+    __slots__ = ("capacity", "level", "updated")
+
+    def __init__(self, capacity: float, now: float) -> None:
+        self.capacity = capacity
+        self.level = capacity
+        self.updated = now
+
+    def refill(self, now: float) -> None:
+        rate = self.capacity / 60.0
+        self.level = min(self.capacity, self.level + (now - self.updated) * rate)
+        self.updated = now
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until the level reaches `amount`."""
+        return max(0.0, (amount - self.level) / (self.capacity / 60.0))
+
+
+class RateLimiter:
+    """Token buckets per key name (so that a reload with new limits keeps the spent budget)."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, _Bucket] = {}
+        self._tokens: dict[str, _Bucket] = {}
+
+    @staticmethod
+    def _bucket(store: dict[str, _Bucket], name: str, capacity: int, now: float) -> _Bucket:
+        bucket = store.get(name)
+        if bucket is None:
+            bucket = store[name] = _Bucket(capacity, now)
+        elif bucket.capacity != capacity:
+            bucket.capacity = capacity
+            bucket.level = min(bucket.level, capacity)
+        bucket.refill(now)
+        return bucket
+
+    def admit(self, key: ApiKey, now: float) -> float | None:
+        """None when the request may go ahead (one request is taken from the budget), else
+        the seconds until it could."""
+        waits = []
+        requests = tokens = None
+        if key.requests_per_minute is not None:
+            requests = self._bucket(self._requests, key.name, key.requests_per_minute, now)
+            if requests.level < 1:
+                waits.append(requests.wait_for(1))
+        if key.tokens_per_minute is not None:
+            tokens = self._bucket(self._tokens, key.name, key.tokens_per_minute, now)
+            if tokens.level <= 0:
+                waits.append(tokens.wait_for(1))
+        if waits:
+            return max(waits)
+        if requests is not None:
+            requests.level -= 1
+        return None
+
+    def charge_tokens(self, key: ApiKey, tokens: int, now: float) -> None:
+        if key.tokens_per_minute is None or tokens <= 0:
+            return
+        bucket = self._bucket(self._tokens, key.name, key.tokens_per_minute, now)
+        bucket.level -= tokens

@@ -1,0 +1,281 @@
+"""`fleetllm router serve`: the OpenAI-compatible front door for the whole fleet."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from fleetllm.router.config import STRATEGIES, RouterSettings
+
+ADMIN_KEY_ENV = "FLEETLLM_ROUTER_ADMIN_KEY"
+UPSTREAM_KEY_ENV = "FLEETLLM_UPSTREAM_API_KEY"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    router = sub.add_parser("router", help="the OpenAI-compatible router in front of the fleet")
+    router_sub = router.add_subparsers(dest="router_command", required=True, metavar="COMMAND")
+    p = router_sub.add_parser(
+        "serve",
+        help="serve the router",
+        description="One OpenAI endpoint for every model of the fleet: routes by model, load "
+        "and shared prompt prefix, fails over, and holds requests while a model scales up.",
+    )
+    d = RouterSettings()
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+
+    g = p.add_argument_group("discovery")
+    g.add_argument(
+        "--discovery",
+        choices=("static", "kubernetes"),
+        default="static",
+        help="static: a fleet file; kubernetes: watch LLMDeployments and "
+        "EndpointSlices (default: %(default)s)",
+    )
+    g.add_argument(
+        "--fleet-file",
+        type=Path,
+        help="static: YAML/JSON `models: {NAME: [URL, ...]}`, reloaded on change",
+    )
+    g.add_argument(
+        "--namespace", help="kubernetes: namespace to watch (default: the pod's own, else all)"
+    )
+    g.add_argument("--all-namespaces", action="store_true", help="kubernetes: watch them all")
+    g.add_argument(
+        "--demand-webhook",
+        help='static: POST {"model": NAME} here when a model without replicas gets requests',
+    )
+    g.add_argument(
+        "--admin-key",
+        default=os.environ.get(ADMIN_KEY_ENV),
+        help=f"enables GET/PUT /admin/fleet with this bearer key (env {ADMIN_KEY_ENV})",
+    )
+
+    g = p.add_argument_group("routing (defaults for models that do not set their own)")
+    g.add_argument("--strategy", choices=STRATEGIES, default=d.strategy)
+    g.add_argument(
+        "--load-factor",
+        type=float,
+        default=d.load_factor,
+        help="prefix: no replica above this x mean load (default: %(default)s)",
+    )
+    g.add_argument("--session-header", default=d.session_header)
+    g.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=d.prefix_chars,
+        help="prefix: characters of the rendered prompt that key the hash (default: %(default)s)",
+    )
+
+    g = p.add_argument_group("upstream")
+    g.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
+    g.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=d.first_byte_timeout,
+        help="streams: seconds until the replica's first event",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout,
+        help="seconds for a whole request, holding and retries included",
+    )
+    g.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    g.add_argument(
+        "--retry-window",
+        type=float,
+        default=d.retry_window,
+        help="no retry starts later than this after arrival",
+    )
+    g.add_argument(
+        "--backoff-max",
+        type=float,
+        default=d.backoff_max,
+        help="longest pause of a failing replica (default: %(default)s s)",
+    )
+    g.add_argument("--scrape-interval", type=float, default=d.scrape_interval)
+    g.add_argument(
+        "--upstream-api-key",
+        default=os.environ.get(UPSTREAM_KEY_ENV),
+        help=f"bearer key for the replicas (env {UPSTREAM_KEY_ENV})",
+    )
+
+    g = p.add_argument_group("scale from zero")
+    g.add_argument(
+        "--hold-queue-size",
+        type=int,
+        default=d.hold_queue_size,
+        help="requests held per model while it has no ready replica",
+    )
+    g.add_argument("--hold-timeout", type=float, default=d.hold_timeout)
+
+    g = p.add_argument_group("security")
+    g.add_argument(
+        "--api-keys-file",
+        type=Path,
+        help="one key per line, or YAML `keys: [{name, key, requestsPerMinute, "
+        "tokensPerMinute}]`; reloaded on change",
+    )
+    g.add_argument(
+        "--api-keys-secret",
+        metavar="[NAMESPACE/]NAME",
+        help="a Kubernetes Secret whose every data entry is a key",
+    )
+    g.add_argument("--rate-limit-rpm", type=int, help="default requests per minute per key")
+    g.add_argument("--rate-limit-tpm", type=int, help="default tokens per minute per key")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+
+    g = p.add_argument_group("process")
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish on SIGTERM",
+    )
+    g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    g.add_argument(
+        "--no-request-log",
+        action="store_true",
+        help="no log line per request (they never hold prompts or keys)",
+    )
+    p.set_defaults(func=_serve)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        doc.update(getattr(record, "fields", None) or {})
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def settings_from_args(args: argparse.Namespace) -> RouterSettings:
+    return RouterSettings(
+        host=args.host,
+        port=args.port,
+        strategy=args.strategy,
+        load_factor=args.load_factor,
+        session_header=args.session_header,
+        prefix_chars=args.prefix_chars,
+        connect_timeout=args.connect_timeout,
+        first_byte_timeout=args.first_byte_timeout,
+        request_timeout=args.request_timeout,
+        max_attempts=args.max_attempts,
+        retry_window=args.retry_window,
+        backoff_max=args.backoff_max,
+        hold_queue_size=args.hold_queue_size,
+        hold_timeout=args.hold_timeout,
+        scrape_interval=args.scrape_interval,
+        max_body_bytes=args.max_body_bytes,
+        upstream_api_key=args.upstream_api_key or None,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from fleetllm.router.auth import keys_from_secret
+    from fleetllm.router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
+    from fleetllm.router.kube import KubeClient, default_namespace, login_from_environment
+    from fleetllm.router.server import Router
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler], force=True)
+
+    settings = settings_from_args(args)
+    for flag in ("rate_limit_rpm", "rate_limit_tpm"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.api_keys_file and args.api_keys_secret:
+        raise ValueError("give --api-keys-file or --api-keys-secret, not both")
+
+    kube: KubeClient | None = None
+    if args.discovery == "kubernetes" or args.api_keys_secret:
+        kube = KubeClient(login_from_environment)
+    discovery: Discovery
+    if args.discovery == "kubernetes":
+        assert kube is not None
+        namespace = None if args.all_namespaces else (args.namespace or default_namespace())
+        discovery = KubernetesDiscovery(kube, namespace)
+    else:
+        if args.fleet_file is None and not args.admin_key:
+            raise ValueError("static discovery needs --fleet-file or --admin-key (or both)")
+        discovery = StaticDiscovery(args.fleet_file, demand_webhook=args.demand_webhook)
+        # A broken file is an error now, not a router that silently serves nothing.
+        discovery.load()
+
+    keys_loader = None
+    if args.api_keys_secret:
+        assert kube is not None
+        namespace, _, name = args.api_keys_secret.rpartition("/")
+        namespace = namespace or default_namespace() or "default"
+        client = kube
+
+        async def keys_loader() -> Any:
+            secret = await client.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}")
+            return keys_from_secret(secret, args.rate_limit_rpm, args.rate_limit_tpm)
+
+    router = Router(
+        settings,
+        discovery,
+        keys_file=args.api_keys_file,
+        keys_loader=keys_loader,
+        default_rpm=args.rate_limit_rpm,
+        default_tpm=args.rate_limit_tpm,
+        admin_key=args.admin_key or None,
+        log_requests=not args.no_request_log,
+    )
+    run = asyncio.run
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        pass
+    run(serve(router, settings.host, settings.port, args.shutdown_timeout))
+    return 0
+
+
+async def serve(router: Any, host: str, port: int, shutdown_timeout: float = 30.0) -> None:
+    """Serve until SIGTERM or SIGINT; then stop accepting, let requests in flight finish (up
+    to `shutdown_timeout`), and return."""
+    from aiohttp import web
+
+    runner = web.AppRunner(
+        router.app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=shutdown_timeout,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024)
+    await site.start()
+    logging.getLogger("fleetllm.router").info(
+        "router listening", extra={"fields": {"host": host, "port": port}}
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        router.stopping = True
+        await runner.cleanup()

@@ -1,0 +1,72 @@
+"""The router's settings (the flags of `fleetllm router serve`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import get_args
+
+from fleetllm.operator.api import RoutingSpec
+
+# The CRD's strategy names are the router's.
+STRATEGIES: tuple[str, ...] = get_args(RoutingSpec.model_fields["strategy"].annotation)
+_ROUTING_DEFAULTS = RoutingSpec()
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    host: str = "0.0.0.0"
+    port: int = 8080
+
+    # Routing defaults for models whose discovery source gives none (the static file).
+    strategy: str = _ROUTING_DEFAULTS.strategy
+    load_factor: float = _ROUTING_DEFAULTS.load_factor
+    session_header: str = _ROUTING_DEFAULTS.session_header
+    prefix_chars: int = 256
+    """How much of the rendered prompt keys the prefix strategy: enough to cover a typical
+    system prompt, so that requests which share one share a replica."""
+
+    # Upstream timeouts (seconds) and retries.
+    connect_timeout: float = 5.0
+    first_byte_timeout: float = 120.0
+    """Until the replica's first response byte (for a stream, its first event)."""
+    request_timeout: float = 900.0
+    """The whole request, holding and retries included."""
+    max_attempts: int = 3
+    retry_window: float = 30.0
+    """No new attempt starts later than this after the request arrived."""
+    backoff_base: float = 0.5
+    backoff_max: float = 10.0
+
+    # Holding while a model has no ready replica.
+    hold_queue_size: int = 256
+    hold_timeout: float = 60.0
+    demand_interval: float = 5.0
+    """Least time between two demand signals for one model."""
+
+    scrape_interval: float = 1.0
+    scrape_timeout: float = 2.0
+
+    max_body_bytes: int = 16 * 1024 * 1024
+    upstream_api_key: str | None = None
+    """Sent to the replicas as a bearer token (engines started with --api-key)."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; one of {', '.join(STRATEGIES)}")
+        checks = {
+            "load factor": self.load_factor >= 1,
+            "prefix chars": self.prefix_chars >= 1,
+            "connect timeout": self.connect_timeout > 0,
+            "first byte timeout": self.first_byte_timeout > 0,
+            "request timeout": self.request_timeout > 0,
+            "max attempts": self.max_attempts >= 1,
+            "retry window": self.retry_window >= 0,
+            "hold queue size": self.hold_queue_size >= 0,
+            "hold timeout": self.hold_timeout >= 0,
+            "scrape interval": self.scrape_interval > 0,
+            "max body bytes": self.max_body_bytes >= 1024,
+            "backoff": 0 < self.backoff_base <= self.backoff_max,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid router settings: {', '.join(bad)} out of range")

@@ -1,0 +1,100 @@
+"""The router's Prometheus metrics (`fleetllm:router_*`), in a registry of its own so that
+several routers can live in one process (tests, the local fleet)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+# fmt: off
+# vLLM's request-latency buckets, so that router and engine figures line up on one dashboard.
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FIRST_BYTE_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+                 600.0)
+# fmt: on
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "fleetllm:router_requests",
+            "Requests answered by the router, by HTTP status.",
+            ["model", "code"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "fleetllm:router_request_duration_seconds",
+            "Arrival to the last byte sent to the client.",
+            ["model"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.first_byte = Histogram(
+            "fleetllm:router_time_to_first_byte_seconds",
+            "Arrival to the first response byte sent to the client (for a stream, its first "
+            "event).",
+            ["model"],
+            buckets=FIRST_BYTE_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "fleetllm:router_queue_time_seconds",
+            "Time requests were held waiting for a ready replica.",
+            ["model"],
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "fleetllm:router_upstream_retries",
+            "Attempts on another replica after a failed one.",
+            ["model"],
+            registry=r,
+        )
+        self.upstream = Counter(
+            "fleetllm:router_upstream_requests",
+            "Attempts sent to each replica, by outcome (HTTP status, or `error` when no "
+            "complete answer came).",
+            ["model", "replica", "code"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "fleetllm:router_inflight",
+            "Requests open on each replica.",
+            ["model", "replica"],
+            registry=r,
+        )
+        self.replica_up = Gauge(
+            "fleetllm:router_replica_up",
+            "1 when a replica takes new requests (healthy, not draining, not backing off).",
+            ["model", "replica"],
+            registry=r,
+        )
+        self.held = Gauge(
+            "fleetllm:router_held_requests",
+            "Requests held now, waiting for a replica.",
+            ["model"],
+            registry=r,
+        )
+        self.demand = Counter(
+            "fleetllm:router_demand_signals",
+            "Requests for capacity sent for models that had no ready replica.",
+            ["model"],
+            registry=r,
+        )
+
+    def forget_replica(self, model: str, replica: str) -> None:
+        for gauge in (self.inflight, self.replica_up):
+            with contextlib.suppress(KeyError):
+                gauge.remove(model, replica)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,155 @@
+"""Replica choice, as pure functions: each strategy orders a model's candidate replicas, best
+first; the proxy tries them in that order (the rest of the order is the failover path).
+
+Everything that must agree between router replicas (the prefix ring, the session mapping)
+hashes with blake2b over stable replica ids, never Python's per-process `hash`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# A full KV cache weighs as much as this many queued requests in the least-load score.
+KV_WEIGHT = 4.0
+VIRTUAL_NODES = 100
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """What a strategy may know of a replica."""
+
+    id: str
+    in_flight: int = 0
+    """Requests this router has open on the replica."""
+    waiting: float = 0.0
+    """The engine's queue (vllm:num_requests_waiting), as last scraped."""
+    kv_usage: float = 0.0
+    """vllm:kv_cache_usage_perc (0..1), as last scraped."""
+
+
+def stable_hash(data: str | bytes) -> int:
+    """A 64-bit hash that is the same in every process and on every machine."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
+
+
+def least_load_score(c: Candidate) -> float:
+    return c.in_flight + c.waiting + KV_WEIGHT * c.kv_usage
+
+
+def least_load(candidates: Sequence[Candidate], turn: int = 0) -> list[Candidate]:
+    """Lowest score first; equal scores rotate with `turn` so that an idle fleet is not served
+    by its first replica alone."""
+    n = len(candidates)
+    order = sorted(range(n), key=lambda i: (least_load_score(candidates[i]), (i - turn) % n))
+    return [candidates[i] for i in order]
+
+
+def round_robin(candidates: Sequence[Candidate], turn: int) -> list[Candidate]:
+    if not candidates:
+        return []
+    start = turn % len(candidates)
+    return [*candidates[start:], *candidates[:start]]
+
+
+def rendezvous(candidates: Sequence[Candidate], key: str) -> list[Candidate]:
+    """Highest-random-weight order for `key`: a key keeps its replica while that replica
+    exists, and only the keys of a removed replica move."""
+    return sorted(candidates, key=lambda c: stable_hash(f"{key}\x00{c.id}"), reverse=True)
+
+
+class HashRing:
+    """A consistent-hash ring with virtual nodes over a set of replica ids."""
+
+    def __init__(self, ids: Sequence[str], virtual_nodes: int = VIRTUAL_NODES) -> None:
+        self.ids = frozenset(ids)
+        points = sorted(
+            (stable_hash(f"{rid}#{i}"), rid) for rid in self.ids for i in range(virtual_nodes)
+        )
+        self._hashes = [h for h, _ in points]
+        self._owners = [rid for _, rid in points]
+
+    def walk(self, key: int) -> list[str]:
+        """Distinct replica ids met going clockwise from `key`."""
+        if not self._owners:
+            return []
+        start = bisect.bisect_left(self._hashes, key)
+        seen: dict[str, None] = {}
+        total = len(self._owners)
+        for step in range(total):
+            seen.setdefault(self._owners[(start + step) % total], None)
+            if len(seen) == len(self.ids):
+                break
+        return list(seen)
+
+
+def load_capacity(total_load: int, replicas: int, load_factor: float) -> int:
+    """Most requests one replica may hold once the next request is placed: load_factor x the
+    mean load after placement, rounded up (consistent hashing with bounded loads)."""
+    return math.ceil(load_factor * (total_load + 1) / replicas)
+
+
+def bounded_prefix(
+    ring: HashRing, key: int, candidates: Sequence[Candidate], load_factor: float
+) -> list[Candidate]:
+    """The ring order from `key`, restricted to `candidates`, where replicas that are at
+    capacity move behind the ones that are not. The first one is the choice: the replica the
+    key hashes to unless that would push it past load_factor x mean."""
+    by_id = {c.id: c for c in candidates}
+    ordered = [by_id[rid] for rid in ring.walk(key) if rid in by_id]
+    # Candidates the ring does not know (it is rebuilt lazily) go last, in a stable order.
+    known = {c.id for c in ordered}
+    ordered += sorted((c for c in candidates if c.id not in known), key=lambda c: c.id)
+    if not ordered:
+        return []
+    capacity = load_capacity(sum(c.in_flight for c in ordered), len(ordered), load_factor)
+    fits = [c for c in ordered if c.in_flight + 1 <= capacity]
+    return fits + [c for c in ordered if c.in_flight + 1 > capacity]
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif isinstance(part, str):
+                parts.append(part)
+        return "".join(parts)
+    return ""
+
+
+def prefix_text(payload: Mapping[str, Any], limit: int) -> str:
+    """The first `limit` characters of the prompt as the engine will see it: for chat, the
+    messages in order as `role: content` lines, so that requests sharing a system prompt share
+    a prefix. Unknown shapes give "" (and hash to one spot: they are invalid anyway)."""
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        out: list[str] = []
+        size = 0
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            line = f"{message.get('role', '')}: {_content_text(message.get('content'))}\n"
+            out.append(line)
+            size += len(line)
+            if size >= limit:
+                break
+        return "".join(out)[:limit]
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, int):
+            prompt = " ".join(str(t) for t in prompt[: limit // 2])
+        elif isinstance(first, list):
+            prompt = " ".join(str(t) for t in first[: limit // 2])
+        else:
+            prompt = first
+    return prompt[:limit] if isinstance(prompt, str) else ""

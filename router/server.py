@@ -643,9 +643,18 @@ class Router:
         retry_until = ctx.arrival + settings.retry_window
         tried: set[str] = set()
         failure: _Failure | None = None
+        # The strategy orders the replicas once; failover walks that order, and only asks
+        # again once it is used up (so round robin does not skip a turn per retry).
+        plan: list[Replica] = []
         while True:
-            ordered = self._order(state, ctx.payload, ctx.request.headers)
-            if not ordered:
+            now = time.monotonic()
+            plan = [r for r in plan if r.url not in tried and r.available(now)]
+            if plan:
+                replica = plan.pop(0)
+            elif ordered := self._order(state, ctx.payload, ctx.request.headers):
+                plan = [r for r in ordered if r.url not in tried] or ordered
+                replica = plan.pop(0)
+            else:
                 held_from = loop.time()
                 try:
                     await self._hold(state, deadline)
@@ -663,8 +672,6 @@ class Router:
                 if state.removed:
                     return error_response(404, f"The model `{state.name}` does not exist.", "model")
                 continue
-            fresh = [r for r in ordered if r.url not in tried] or ordered
-            replica = fresh[0]
             if ctx.attempts:
                 self.metrics.retries.labels(state.name).inc()
             ctx.attempts += 1

@@ -210,17 +210,18 @@ def parse_request(model: type[M], body: bytes) -> M:
 
 def validation_error(exc: ValidationError) -> APIError:
     err = exc.errors(include_url=False)[0]
-    kind = err["type"]
+    kind, loc = err["type"], err["loc"]
     if kind == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {err['msg']}")
-    if kind == "model_type":
+    if not loc:
         return bad_request("the request body must be a JSON object")
-    loc = [str(part) for part in err["loc"]]
-    # Union members add their own type name to the path (e.g. "stop.str"); drop those.
-    fields = [p for p in loc if not p.startswith(("str", "list[", "int", "float", "bool"))]
-    param = ".".join(fields) or None
+    # Union members add their type to the path (stop -> "str" or "list[str]"); leave those out.
+    path = ".".join(str(p) for p in loc if p not in _UNION_TAGS and "[" not in str(p))
     msg = err["msg"].removeprefix("Value error, ")
-    return bad_request(f"{param}: {msg}" if param else msg, param)
+    return bad_request(f"{path}: {msg}", str(loc[0]))
+
+
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest

@@ -1,0 +1,273 @@
+"""Malformed requests get 4xx JSON errors in OpenAI's shape and leave the server healthy;
+API keys, the waiting-queue bound and the body-size limit are enforced."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_helpers import (
+    MAX_MODEL_LEN,
+    SERVED_NAME,
+    ServerProcess,
+    tiny_server_args,
+    wait_until,
+)
+
+C = "/v1/completions"
+CHAT = "/v1/chat/completions"
+OK_MESSAGES = [{"role": "user", "content": "hi"}]
+LONG_PROMPT_IDS = list(range(100, 100 + MAX_MODEL_LEN + 10))
+CONTEXT_MSG = (
+    f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+    f"{MAX_MODEL_LEN + 10 + 16} tokens ({MAX_MODEL_LEN + 10} in the messages, 16 in the "
+    "completion). Please reduce the length of the messages or completion."
+)
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 4, **fields}
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": SERVED_NAME, "messages": OK_MESSAGES, "max_tokens": 4, **fields}
+
+
+# (id, method, path, body: JSON-able, or bytes sent as-is; status, param, message part)
+MALFORMED: list[tuple[str, str, str, Any, int, str | None, str | None]] = [
+    ("bad-json", "POST", C, b'{"prompt": "x",', 400, None, "not valid JSON"),
+    ("empty-body", "POST", C, b"", 400, None, "not valid JSON"),
+    ("json-array", "POST", C, [1, 2], 400, None, "JSON object"),
+    ("no-prompt", "POST", C, {"model": SERVED_NAME}, 400, "prompt", None),
+    ("prompt-number", "POST", C, completion(prompt=123), 400, "prompt", None),
+    ("prompt-empty", "POST", C, completion(prompt=""), 400, "prompt", None),
+    ("prompt-empty-list", "POST", C, completion(prompt=[]), 400, "prompt", None),
+    ("prompt-mixed-list", "POST", C, completion(prompt=[1, "a"]), 400, "prompt", None),
+    ("prompt-token-out-of-range", "POST", C, completion(prompt=[10**9]), 400, "prompt", None),
+    ("max-tokens-negative", "POST", C, completion(max_tokens=-5), 400, "max_tokens", None),
+    ("max-tokens-string", "POST", C, completion(max_tokens="10"), 400, "max_tokens", None),
+    ("max-tokens-float", "POST", C, completion(max_tokens=2.5), 400, "max_tokens", None),
+    ("temperature-negative", "POST", C, completion(temperature=-1), 400, "temperature", None),
+    ("temperature-string", "POST", C, completion(temperature="hot"), 400, "temperature", None),
+    ("top-p-zero", "POST", C, completion(top_p=0), 400, "top_p", None),
+    ("top-p-above-one", "POST", C, completion(top_p=1.5), 400, "top_p", None),
+    ("top-k-negative", "POST", C, completion(top_k=-5), 400, "top_k", None),
+    ("min-p-above-one", "POST", C, completion(min_p=2.0), 400, "min_p", None),
+    ("n-zero", "POST", C, completion(n=0), 400, "n", None),
+    ("logprobs-too-many", "POST", C, completion(logprobs=50), 400, "logprobs", None),
+    ("stop-number", "POST", C, completion(stop=5), 400, "stop", None),
+    ("stop-empty-string", "POST", C, completion(stop=[""]), 400, "stop", None),
+    ("stop-token-ids-strings", "POST", C, completion(stop_token_ids=["a"]), 400,
+     "stop_token_ids", None),
+    ("presence-penalty-range", "POST", C, completion(presence_penalty=3), 400,
+     "presence_penalty", None),
+    ("repetition-penalty-zero", "POST", C, completion(repetition_penalty=0), 400,
+     "repetition_penalty", None),
+    ("min-tokens-over-max", "POST", C, completion(min_tokens=10), 400, "min_tokens", None),
+    ("seed-string", "POST", C, completion(seed="abc"), 400, "seed", None),
+    ("stream-string", "POST", C, completion(stream="yes"), 400, "stream", None),
+    ("stream-options-type", "POST", C, completion(stream=True, stream_options=3), 400,
+     "stream_options", None),
+    ("echo-with-logprobs", "POST", C, completion(echo=True, logprobs=1), 400, "echo", None),
+    ("logit-bias", "POST", C, completion(logit_bias={"5": 10}), 400, "logit_bias", None),
+    ("suffix", "POST", C, completion(suffix="tail"), 400, "suffix", None),
+    ("prompt-too-long", "POST", C, completion(prompt=LONG_PROMPT_IDS, max_tokens=16), 400,
+     None, CONTEXT_MSG),
+    ("prompt-plus-max-tokens", "POST", C, completion(prompt="hi", max_tokens=MAX_MODEL_LEN),
+     400, None, "This model's maximum context length is"),
+    ("unknown-model", "POST", C, completion(model="nope"), 404, "model",
+     "The model `nope` does not exist."),
+    ("chat-empty-messages", "POST", CHAT, chat(messages=[]), 400, "messages", None),
+    ("chat-messages-string", "POST", CHAT, chat(messages="hi"), 400, "messages", None),
+    ("chat-no-messages", "POST", CHAT, {"model": SERVED_NAME}, 400, "messages", None),
+    ("chat-message-no-content", "POST", CHAT, chat(messages=[{"role": "user"}]), 400,
+     "messages", None),
+    ("chat-role-number", "POST", CHAT, chat(messages=[{"role": 1, "content": "x"}]), 400,
+     "messages", None),
+    ("chat-image-part", "POST", CHAT,
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     400, "messages", None),
+    ("chat-top-logprobs-alone", "POST", CHAT, chat(top_logprobs=2), 400, "top_logprobs", None),
+    ("chat-top-logprobs-range", "POST", CHAT, chat(logprobs=True, top_logprobs=21), 400,
+     "top_logprobs", None),
+    ("chat-max-completion-zero", "POST", CHAT, chat(max_completion_tokens=0), 400,
+     "max_completion_tokens", None),
+    ("chat-logprobs-int", "POST", CHAT, chat(logprobs=3), 400, "logprobs", None),
+    ("chat-json-mode", "POST", CHAT, chat(response_format={"type": "json_object"}), 400,
+     "response_format", None),
+    ("chat-unknown-model", "POST", CHAT, chat(model="gpt-4"), 404, "model", None),
+    ("chat-too-long", "POST", CHAT,
+     chat(messages=[{"role": "user", "content": "word " * MAX_MODEL_LEN}], max_tokens=None),
+     400, "messages", "input tokens"),
+    ("tokenize-no-prompt", "POST", "/tokenize", {"model": SERVED_NAME}, 400, "prompt", None),
+    ("detokenize-bad-ids", "POST", "/detokenize", {"tokens": [-1]}, 400, "tokens", None),
+    ("detokenize-strings", "POST", "/detokenize", {"tokens": ["a"]}, 400, "tokens", None),
+    ("huge-body", "POST", C, completion(prompt="x" * (9 * 1024 * 1024)), 413, None, None),
+    ("unknown-path", "GET", "/v1/nothing", None, 404, None, None),
+    ("wrong-method", "GET", C, None, 405, None, None),
+]  # fmt: skip
+
+
+def _send(server: ServerProcess, method: str, path: str, body: Any) -> httpx.Response:
+    url = f"{server.base_url}{path}"
+    if body is None:
+        return httpx.request(method, url, timeout=60)
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    return httpx.request(method, url, content=content, headers=headers, timeout=60)
+
+
+def assert_error_shape(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"].endswith("Error")
+    assert error["code"] == status
+    return error
+
+
+def test_table_is_large_enough() -> None:
+    assert len(MALFORMED) >= 25
+    assert len({case[0] for case in MALFORMED}) == len(MALFORMED)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "param", "message"),
+    [case[1:] for case in MALFORMED],
+    ids=[case[0] for case in MALFORMED],
+)
+def test_malformed_request(
+    server: ServerProcess,
+    method: str,
+    path: str,
+    body: Any,
+    status: int,
+    param: str | None,
+    message: str | None,
+) -> None:
+    error = assert_error_shape(_send(server, method, path, body), status)
+    if status == 400:
+        assert error["type"] == "BadRequestError"
+    if param is not None:
+        assert error["param"] == param, error
+    if message is not None:
+        assert message in error["message"], error
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+
+
+def test_server_sound_after_malformed_requests(server: ServerProcess) -> None:
+    """After the table (and anything else): no request left behind, no block leaked."""
+    wait_until(
+        lambda: (
+            server.metric("vllm:num_requests_running") == 0
+            and server.metric("vllm:num_requests_waiting") == 0
+            and server.metric("vllm:kv_cache_usage_perc") == 0.0
+        ),
+        what="idle engine",
+    )
+    response = httpx.post(f"{server.base_url}{C}", json=completion(), timeout=60)
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_ignores_unknown_fields(server: ServerProcess) -> None:
+    body = completion(frobnicate=True, user="someone", metadata={"a": 1})
+    response = httpx.post(f"{server.base_url}{C}", json=body, timeout=60)
+    assert response.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def guarded(launch: Callable[..., ServerProcess], tiny_chat_dir: Path) -> ServerProcess:
+    """One request at a time, one waiting at most, a key, and a small body limit."""
+    args = tiny_server_args(
+        tiny_chat_dir,
+        "--max-num-seqs", "1",
+        "--max-waiting-requests", "1",
+        "--max-request-body-bytes", "4096",
+    )  # fmt: skip
+    return launch(args, env={"FLEETLLM_API_KEY": "s3cret"})
+
+
+AUTH = {"authorization": "Bearer s3cret"}
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}, {"authorization": ""}],
+    ids=["none", "wrong-key", "no-scheme", "empty"],
+)
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", C), ("POST", CHAT), ("GET", "/v1/models"), ("POST", "/tokenize")],
+)
+def test_api_key_required(
+    guarded: ServerProcess, headers: dict[str, str], method: str, path: str
+) -> None:
+    body = chat() if path == CHAT else completion()
+    response = httpx.request(
+        method,
+        f"{guarded.base_url}{path}",
+        json=body if method == "POST" else None,
+        headers=headers,
+        timeout=60,
+    )
+    assert_error_shape(response, 401)
+
+
+def test_api_key_accepted_and_probes_open(guarded: ServerProcess) -> None:
+    ok = httpx.post(f"{guarded.base_url}{C}", json=completion(), headers=AUTH, timeout=60)
+    assert ok.status_code == 200
+    models = httpx.get(f"{guarded.base_url}/v1/models", headers=AUTH, timeout=60)
+    assert models.json()["data"][0]["id"] == SERVED_NAME
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(f"{guarded.base_url}{path}", timeout=10).status_code == 200
+
+
+def test_body_limit(guarded: ServerProcess) -> None:
+    big = completion(prompt="y" * 5000)
+    assert_error_shape(
+        httpx.post(f"{guarded.base_url}{C}", json=big, headers=AUTH, timeout=60), 413
+    )
+
+    def chunked() -> Any:  # no Content-Length: the limit is counted while reading
+        for _ in range(8):
+            yield b"z" * 1024
+
+    response = httpx.post(f"{guarded.base_url}{C}", content=chunked(), headers=AUTH, timeout=60)
+    assert_error_shape(response, 413)
+    assert httpx.get(f"{guarded.base_url}/health", timeout=10).status_code == 200
+
+
+def test_overload_answers_503(guarded: ServerProcess) -> None:
+    """With one slot and a waiting bound of one, a third concurrent request is refused."""
+    long = completion(max_tokens=MAX_MODEL_LEN - 16, ignore_eos=True, stream=True)
+    url = f"{guarded.base_url}{C}"
+    with (
+        httpx.stream("POST", url, json=long, headers=AUTH, timeout=60) as first,
+        httpx.stream("POST", url, json=long, headers=AUTH, timeout=60) as second,
+    ):
+        assert first.status_code == 200 and second.status_code == 200
+        wait_until(
+            lambda: (
+                guarded.metric("vllm:num_requests_running") == 1
+                and guarded.metric("vllm:num_requests_waiting") == 1
+            ),
+            what="one running, one waiting",
+        )
+        third = httpx.post(url, json=completion(), headers=AUTH, timeout=60)
+        error = assert_error_shape(third, 503)
+        assert "overloaded" in error["message"]
+    wait_until(
+        lambda: (
+            guarded.metric("vllm:num_requests_running") == 0
+            and guarded.metric("vllm:num_requests_waiting") == 0
+        ),
+        what="both aborted",
+    )
+    assert httpx.post(url, json=completion(), headers=AUTH, timeout=60).status_code == 200

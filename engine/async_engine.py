@@ -121,7 +121,7 @@ class AsyncEngine:
     ) -> None:
         self._factory = factory
         self.max_waiting_requests = max_waiting_requests
-        self._on_step = on_step
+        self.on_step = on_step
         self._cond = threading.Condition()
         self._commands: list[tuple[str, RequestStream]] = []  # guarded by _cond
         self._stopping = False  # guarded by _cond
@@ -170,8 +170,12 @@ class AsyncEngine:
         return len(self._streams)
 
     def abort_all(self) -> None:
-        for stream in {s for s, _ in self._streams.values()}:
-            stream.abort()
+        """Abort every request; unlike a client's abort, each stream gets its final output
+        (finish_reason "abort"), so responses still end properly."""
+        streams = {s for s, _ in self._streams.values()}
+        with self._cond:
+            self._commands += [("abort", s) for s in streams]
+            self._cond.notify()
 
     # -- requests (event loop) ------------------------------------------------------------------
 
@@ -272,12 +276,14 @@ class AsyncEngine:
                     out = engine.abort_request(req.request_id)
                     if out is not None:
                         aborted.append(out)
-            outputs = engine.step() if engine.has_unfinished_requests() else []
+            stepped = engine.step() if engine.has_unfinished_requests() else []
             # Stats first: a caller that sees its request finish then reads fresh counters.
             self.stats = stats = engine.stats()
-            if self._on_step is not None:
-                self._on_step(aborted + outputs, stats)
+            outputs = aborted + stepped
+            if self.on_step is not None:
+                self.on_step(outputs, stats)
             if outputs:
+                # Outputs of requests whose client left are dropped in _deliver.
                 self._call(self._deliver, outputs)
 
     def _add(self, engine: LLMEngine, stream: RequestStream) -> None:

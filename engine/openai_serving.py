@@ -110,6 +110,8 @@ class OpenAIServing:
         self.model_names = list(model_names)
         self.log_requests_text = log_requests_text
         self._token_text: dict[int, str] = {}
+        # Generation requests admitted and not yet answered in full; draining waits for them.
+        self.num_active = 0
 
     # -- shared ----------------------------------------------------------------------------
 
@@ -274,10 +276,9 @@ class OpenAIServing:
                 )
         try:
             job.stream = self.engine.submit(requests)
-        except EngineOverloadedError as exc:
+        except (EngineOverloadedError, EngineNotReadyError, EngineDeadError) as exc:
             raise APIError(503, str(exc)) from None
-        except (EngineNotReadyError, EngineDeadError) as exc:
-            raise APIError(503, str(exc)) from None
+        self.num_active += 1
 
     # -- completions ------------------------------------------------------------------------
 
@@ -311,15 +312,17 @@ class OpenAIServing:
             text = c.text
             if req.echo:
                 text = self._prompt_text(job.prompts[index // job.n]) + text
-            choices.append(
-                {
-                    "index": index,
-                    "text": text,
-                    "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, 0),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, 0),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = job.prompts[index // job.n].token_ids
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
         body = {
             "id": job.request_id,
             "object": "text_completion",
@@ -370,6 +373,8 @@ class OpenAIServing:
                         "finish_reason": finish,
                         "stop_reason": c.stop_reason if finish else None,
                     }
+                    if req.return_token_ids:
+                        choice["token_ids"] = new_ids
                     yield _sse(self._chunk(job, "text_completion", [choice]))
             if req.include_usage:
                 yield _sse(self._chunk(job, "text_completion", [], usage=job.usage()))
@@ -439,15 +444,16 @@ class OpenAIServing:
         choices = []
         for index, out in enumerate(outputs):
             c = out.outputs[0]
-            choices.append(
-                {
-                    "index": index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, top_n),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
+            choice = {
+                "index": index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, top_n),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
         body = {
             "id": job.request_id,
             "object": "chat.completion",
@@ -456,6 +462,8 @@ class OpenAIServing:
             "choices": choices,
             "usage": job.usage(),
         }
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt.token_ids
         return JSONResponse(body)
 
     async def _chat_events(self, job: _Job, req: ChatCompletionRequest) -> AsyncIterator[str]:
@@ -494,6 +502,8 @@ class OpenAIServing:
                         "finish_reason": finish,
                         "stop_reason": c.stop_reason if finish else None,
                     }
+                    if req.return_token_ids:
+                        choice["token_ids"] = new_ids
                     yield _sse(self._chunk(job, "chat.completion.chunk", [choice]))
             if req.include_usage:
                 yield _sse(self._chunk(job, "chat.completion.chunk", [], usage=job.usage()))
@@ -593,6 +603,7 @@ class OpenAIServing:
                     job.status = CLIENT_CLOSED
             if not job.logged:
                 job.logged = True
+                self.num_active -= 1
                 self._log(job)
 
         return close

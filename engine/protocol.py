@@ -90,6 +90,7 @@ class _SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: Str | None = None
     logit_bias: dict[Str, Float] | None = None
+    return_token_ids: Bool = False
 
     @field_validator("logit_bias")
     @classmethod

@@ -16,7 +16,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ log = logging.getLogger("fleetllm.engine.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ABORT_FLUSH_S = 5.0
 
 
 @dataclass
@@ -81,8 +82,21 @@ class ServerState:
             raise APIError(503, "the model is still loading")
 
 
+def create_app(
+    settings: ServerSettings,
+    factory: Callable[[], LLMEngine],
+    *,
+    max_waiting_requests: int | None = None,
+) -> FastAPI:
+    """The app over an engine that `factory` builds on the engine thread. The engine starts
+    with the app's lifespan, or by `app.state.server.engine.start()` where none runs."""
+    engine = AsyncEngine(factory, max_waiting_requests=max_waiting_requests)
+    metrics = EngineMetrics(settings.model_names[0], lambda: engine.stats)
+    engine.on_step = metrics.observe_step
+    return build_app(settings, engine, metrics)
+
+
 def build_app(settings: ServerSettings, engine: AsyncEngine, metrics: EngineMetrics) -> FastAPI:
-    """The ASGI app over an engine; the caller starts the engine (see `run_server`)."""
     state = ServerState(settings, engine)
     state.metrics = metrics
 
@@ -280,16 +294,18 @@ class _Server(uvicorn.Server):
     async def _drain(self) -> None:
         state = self.state
         state.draining = True
-        engine = state.engine
+        serving = state.serving
         deadline = time.monotonic() + state.settings.shutdown_grace_period
-        while engine.num_active_requests and time.monotonic() < deadline:
+        while serving.num_active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if engine.num_active_requests:
+        if serving.num_active:
             log.warning(
-                "grace period over: aborting requests",
-                extra={"requests": engine.num_active_requests},
+                "grace period over: aborting requests", extra={"requests": serving.num_active}
             )
-            engine.abort_all()
+            state.engine.abort_all()
+            # Aborted requests still end their responses (finish_reason "abort").
+            while serving.num_active and time.monotonic() < deadline + ABORT_FLUSH_S:
+                await asyncio.sleep(0.05)
         self.should_exit = True
 
 
@@ -304,17 +320,9 @@ def run_server(
 ) -> int:
     """Serve until drained by a signal; the exit code (0 after a drain, 1 if loading failed)."""
     configure_logging(log_level)
-    metrics: EngineMetrics | None = None
-
-    def observe(outputs: Any, stats: Any) -> None:
-        assert metrics is not None
-        metrics.observe_step(outputs, stats)
-
-    engine = AsyncEngine(
-        lambda: LLMEngine(config), max_waiting_requests=max_waiting_requests, on_step=observe
-    )
-    metrics = EngineMetrics(settings.model_names[0], lambda: engine.stats)
-    app = build_app(settings, engine, metrics)
+    app = create_app(settings, lambda: LLMEngine(config), max_waiting_requests=max_waiting_requests)
+    state: ServerState = app.state.server
+    engine = state.engine
     uv_config = uvicorn.Config(
         app,
         host=host,
@@ -324,7 +332,7 @@ def run_server(
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    server = _Server(uv_config, app.state.server)
+    server = _Server(uv_config, state)
     exit_code = 0
 
     async def main() -> None:

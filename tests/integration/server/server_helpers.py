@@ -111,6 +111,9 @@ def tiny_server_args(model_dir: Path, *extra: str) -> list[str]:
         "--max-model-len", str(MAX_MODEL_LEN),
         "--num-kv-blocks", str(NUM_KV_BLOCKS),
         "--block-size", str(BLOCK_SIZE),
+        # One torch thread: a tiny model gains nothing from more, and on a busy machine
+        # (tests run beside other work) waiting for a second thread costs far more.
+        "--num-threads", "1",
         *extra,
     ]  # fmt: skip
 

@@ -129,15 +129,17 @@ class TorchPagedAttention:
             flat = md.decode_slots.view(-1)
             kd = k_cache.index_select(0, flat).view(b, ctx, self.num_kv_heads, self.head_dim)
             vd = v_cache.index_select(0, flat).view(b, ctx, self.num_kv_heads, self.head_dim)
+            # Each kv head's query heads form its query rows (a decode needs no causal mask):
+            # one dense attention per kv head instead of a grouped-query expansion.
+            group = self.num_heads // self.num_kv_heads
             o = F.scaled_dot_product_attention(
-                q[:n].unsqueeze(2),
+                q[:n].view(n, self.num_kv_heads, group, self.head_dim),
                 kd.transpose(1, 2),
                 vd.transpose(1, 2),
                 attn_mask=md.decode_mask,
                 scale=self.scale,
-                enable_gqa=True,
             )
-            out[:n] = o.squeeze(2)
+            out[:n] = o.reshape(n, self.num_heads, self.head_dim)
         for chunk in md.prefills:
             rows = slice(chunk.start, chunk.start + chunk.query_len)
             qc = q[rows].transpose(0, 1).unsqueeze(0)

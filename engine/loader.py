@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from fleetllm.engine.config import ModelConfig
-from fleetllm.engine.model import LlamaForCausalLM, RotaryEmbedding
+from fleetllm.engine.model import STACKED_PARAMS, LlamaForCausalLM, RotaryEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ def load_model(
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
     weights: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}  # fused parameter -> its slices
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -49,18 +50,28 @@ def load_model(
                     continue
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
-                if name not in expected:
+                tensor = f.get_tensor(name).to(device=device, dtype=dtype)
+                target, index = _fused_target(name)
+                if target not in expected:
                     raise ValueError(f"{path.name}: unexpected tensor {name!r} for this model")
-                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                if index is None:
+                    weights[target] = tensor
+                else:
+                    parts.setdefault(target, {})[index] = tensor
+    for target, slices in parts.items():
+        want = 3 if ".qkv_proj." in target else 2
+        if sorted(slices) != list(range(want)):
+            raise ValueError(f"checkpoint in {model_dir} lacks parts of {target!r}")
+        weights[target] = torch.cat([slices[i] for i in range(want)], dim=0)
     missing = sorted(expected - set(weights))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors: {shown}")
     for name, tensor in weights.items():
-        want = model.get_parameter(name).shape
-        if tensor.shape != want:
+        want_shape = model.get_parameter(name).shape
+        if tensor.shape != want_shape:
             raise ValueError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want)}"
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want_shape)}"
             )
     model.load_state_dict(weights, strict=False, assign=True)
     if cfg.tie_word_embeddings:
@@ -73,3 +84,13 @@ def load_model(
         extra={"model_dir": str(model_dir), "dtype": str(dtype), "tensors": len(weights)},
     )
     return model
+
+
+def _fused_target(name: str) -> tuple[str, int | None]:
+    """Checkpoint tensor name -> (our parameter name, slice index within it or None)."""
+    module_path, _, leaf = name.rpartition(".")
+    parent, _, module = module_path.rpartition(".")
+    if module in STACKED_PARAMS:
+        fused, index = STACKED_PARAMS[module]
+        return f"{parent}.{fused}.{leaf}", index
+    return name, None

@@ -92,7 +92,8 @@ def sample(
             logits[i, list(row.stop_token_ids)] = float("-inf")
     apply_penalties(logits, rows)
 
-    token_ids = logits.argmax(dim=-1).tolist()
+    # max() returns the first maximal index like argmax, and is faster on CPU.
+    token_ids = logits.max(dim=-1).indices.tolist()
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         scaled = logits[random_rows] / torch.tensor(

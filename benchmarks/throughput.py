@@ -1,0 +1,176 @@
+"""Offline throughput: fleetllm's engine against Hugging Face transformers, same workload.
+
+Workload: N requests, prompts of random token ids (32..256 tokens), outputs of 16..128 tokens
+with ignore_eos, greedy. Hugging Face runs static batches (prompts left-padded; a batch runs
+until its longest output is done, and only the requested tokens count); it tries several batch
+sizes and keeps its best. fleetllm runs every request through continuous batching.
+
+It also times our engine step against a bare forward pass of the same batch (model forward +
+logits, nothing else) to show the engine's own overhead.
+
+    python benchmarks/throughput.py [--model smollm2-135m] [--dtype bfloat16] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch
+
+from fleetllm.engine.config import DTYPES
+from fleetllm.engine.llm import LLM
+from fleetllm.engine.model_files import resolve_model
+from fleetllm.engine.sampling_params import SamplingParams
+
+
+def make_workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    # Ids from the ordinary part of the vocabulary (specials sit at the start).
+    return [
+        ([rng.randrange(1000, vocab) for _ in range(rng.randint(32, 256))], rng.randint(16, 128))
+        for _ in range(n)
+    ]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_hf(model_dir, dtype, workload, batch_sizes) -> tuple[float, int, dict[int, float]]:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    useful = sum(out for _, out in workload)
+    results: dict[int, float] = {}
+    for bs in batch_sizes:
+        start = time.perf_counter()
+        for i in range(0, len(workload), bs):
+            batch = workload[i : i + bs]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, (prompt, _) in enumerate(batch):
+                ids[row, width - len(prompt) :] = torch.tensor(prompt)
+                mask[row, width - len(prompt) :] = 1
+            new = max(out for _, out in batch)
+            with torch.inference_mode():
+                model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+        elapsed = time.perf_counter() - start
+        results[bs] = useful / elapsed
+        log(f"  hf batch={bs:3d}: {results[bs]:8.1f} output tok/s ({elapsed:.1f} s)")
+    best = max(results, key=results.__getitem__)
+    return results[best], best, results
+
+
+def run_ours(llm: LLM, workload) -> float:
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True) for _, out in workload
+    ]
+    prompts = [p for p, _ in workload]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert produced == sum(out for _, out in workload)
+    assert llm.engine.stats().kv_cache_usage == 0.0
+    return produced / elapsed
+
+
+def step_overhead(llm: LLM, batch: int, context: int, iters: int) -> tuple[float, float]:
+    """Median engine step time vs median bare forward time, both in decode with `batch`
+    running requests of about `context` tokens."""
+    engine = llm.engine
+    rng = random.Random(1)
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"o{i}", [rng.randrange(1000, 40000) for _ in range(context)], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()  # finish every prefill: from here on each step is a pure decode batch
+    step_times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - t)
+    # The same batch shape, forward only: the scheduler's current batch, prepared once.
+    scheduled = engine.scheduler.schedule().scheduled
+    runner = engine.runner
+    inp = runner.prepare(scheduled)
+    fwd_times = []
+    with torch.inference_mode():
+        for _ in range(iters):
+            t = time.perf_counter()
+            hidden = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.attn_metadata)
+            runner.model.compute_logits(hidden[inp.logits_indices])
+            fwd_times.append(time.perf_counter() - t)
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    return statistics.median(step_times), statistics.median(fwd_times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-hf", action="store_true", help="only measure fleetllm")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    model_dir = resolve_model(args.model)
+    llm = LLM(
+        str(model_dir),
+        dtype=args.dtype,
+        num_kv_blocks=2048,
+        max_model_len=1024,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_threads=args.threads,
+    )
+    workload = make_workload(args.requests, llm.engine.model_config.vocab_size, args.seed)
+    log(
+        f"workload: {args.requests} requests, {sum(len(p) for p, _ in workload)} prompt tokens, "
+        f"{sum(o for _, o in workload)} output tokens; {args.model} {args.dtype}, "
+        f"{args.threads} threads"
+    )
+
+    llm.generate(workload[0][0], SamplingParams(max_tokens=4))  # warm-up
+    ours = run_ours(llm, workload)
+    log(f"  fleetllm:       {ours:8.1f} output tok/s")
+    step, fwd = step_overhead(llm, batch=args.max_num_seqs, context=192, iters=20)
+
+    print(f"fleetllm engine     : {ours:8.1f} output tokens/s")
+    if not args.skip_hf:
+        batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+        hf, best, _ = run_hf(model_dir, dtype, workload, batch_sizes)
+        print(f"HF transformers     : {hf:8.1f} output tokens/s (best static batch {best})")
+        print(f"ratio fleetllm / HF : {ours / hf:8.2f}x")
+    print(
+        f"decode step ({args.max_num_seqs} seqs): {step * 1e3:.1f} ms; bare forward "
+        f"{fwd * 1e3:.1f} ms; overhead {step / fwd:.3f}x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

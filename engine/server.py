@@ -119,13 +119,11 @@ def build_app(settings: ServerSettings, engine: AsyncEngine, metrics: EngineMetr
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        if exc.status >= 500:
-            log.warning("request refused", extra={"status": exc.status, "error": exc.message})
-        else:
-            log.info(
-                "request rejected",
-                extra={"path": request.url.path, "status": exc.status, "error": exc.message},
-            )
+        path = request.url.path
+        if path != "/health":  # probes poll it; its state changes are logged elsewhere
+            level = logging.WARNING if exc.status >= 500 else logging.INFO
+            extra = {"path": path, "status": exc.status, "error": exc.message}
+            log.log(level, "request rejected", extra=extra)
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)

@@ -83,6 +83,7 @@ class _Job:
     stream: RequestStream | None = None
     status: int | str = 200
     logged: bool = False
+    client_request_id: str | None = None  # the caller's X-Request-Id, for correlating logs
 
     @property
     def outputs(self) -> list[RequestOutput]:
@@ -195,8 +196,7 @@ class OpenAIServing:
                 if tokenizer is not None
                 else f"token_id:{token_id}"
             )
-            if len(self._token_text) < 1_000_000:
-                self._token_text[token_id] = text
+            self._token_text[token_id] = text  # bounded by the vocabulary
         return text
 
     def _sampling_params(
@@ -290,6 +290,7 @@ class OpenAIServing:
             f"cmpl-{uuid.uuid4().hex}", "completion", model, int(time.time()), [], req.n,
             time.monotonic(),
         )  # fmt: skip
+        job.client_request_id = http.headers.get("x-request-id")
         params = self._sampling_params(req, req.max_tokens)
         per_prompt = []
         for raw in req.prompt:
@@ -418,6 +419,7 @@ class OpenAIServing:
             f"chatcmpl-{uuid.uuid4().hex}", "chat", model, int(time.time()), [], req.n,
             time.monotonic(),
         )  # fmt: skip
+        job.client_request_id = http.headers.get("x-request-id")
         text = self.apply_chat_template(
             req.messages,
             req.add_generation_prompt,
@@ -627,6 +629,8 @@ class OpenAIServing:
             "ttft_s": _elapsed(m.arrival_time, m.first_token_time) if m else None,
             "e2e_s": round(now - job.arrival, 6),
         }
+        if job.client_request_id:
+            record["client_request_id"] = job.client_request_id
         if self.log_requests_text:
             record["prompts"] = [self._prompt_text(p) for p in job.prompts]
             record["completions"] = [o.outputs[0].text for o in outputs]

@@ -210,16 +210,23 @@ def parse_request(model: type[M], body: bytes) -> M:
 
 
 def validation_error(exc: ValidationError) -> APIError:
-    err = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    err = errors[0]
     kind, loc = err["type"], err["loc"]
     if kind == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {err['msg']}")
     if not loc:
         return bad_request("the request body must be a JSON object")
-    # Union members add their type to the path (stop -> "str" or "list[str]"); leave those out.
+    field = loc[0]
+    # A union field fails once per member (stop: "str" and "list[str]"); say all of them.
+    # Those members also name themselves in the path; leave them out of it.
     path = ".".join(str(p) for p in loc if p not in _UNION_TAGS and "[" not in str(p))
-    msg = err["msg"].removeprefix("Value error, ")
-    return bad_request(f"{path}: {msg}", str(loc[0]))
+    msgs: list[str] = []
+    for e in errors:
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["loc"] and e["loc"][0] == field and msg not in msgs:
+            msgs.append(msg)
+    return bad_request(f"{path}: {', or '.join(msgs)}", str(field))
 
 
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})

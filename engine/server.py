@@ -353,14 +353,29 @@ def run_server(
         if not server.started:
             exit_code = 1
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(main())
     return exit_code
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's faster event loop where it is installed, else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 class JSONFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, and any `extra` fields."""
 
-    _standard = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+    # uvicorn adds an ANSI-coloured copy of its messages; not for machines.
+    _standard = frozenset(logging.makeLogRecord({}).__dict__) | {
+        "message",
+        "asctime",
+        "color_message",
+    }
     converter = time.gmtime
 
     def format(self, record: logging.LogRecord) -> str:

@@ -184,12 +184,14 @@ def test_ignores_unknown_fields(server: ServerProcess) -> None:
 
 @pytest.fixture(scope="module")
 def guarded(launch: Callable[..., ServerProcess], tiny_chat_dir: Path) -> ServerProcess:
-    """One request at a time, one waiting at most, a key, and a small body limit."""
+    """One request at a time, one waiting at most, a key, a small body limit, and request
+    texts in the logs."""
     args = tiny_server_args(
         tiny_chat_dir,
         "--max-num-seqs", "1",
         "--max-waiting-requests", "1",
         "--max-request-body-bytes", "4096",
+        "--log-requests-text",
     )  # fmt: skip
     return launch(args, env={"FLEETLLM_API_KEY": "s3cret"})
 
@@ -271,3 +273,20 @@ def test_overload_answers_503(guarded: ServerProcess) -> None:
         what="both aborted",
     )
     assert httpx.post(url, json=completion(), headers=AUTH, timeout=60).status_code == 200
+
+
+def test_log_requests_text(guarded: ServerProcess) -> None:
+    prompt = "this prompt is logged on request"
+    body = httpx.post(
+        f"{guarded.base_url}{C}", json=completion(prompt=prompt), headers=AUTH, timeout=60
+    ).json()
+
+    def entry() -> dict[str, Any] | None:
+        lines = (json.loads(line) for line in guarded.log_text().splitlines())
+        return next((e for e in lines if e.get("request_id") == body["id"]), None)
+
+    wait_until(lambda: entry() is not None, what="the request's log line")
+    logged = entry()
+    assert logged is not None
+    assert logged["prompts"] == [prompt]
+    assert logged["completions"] == [body["choices"][0]["text"]]

@@ -179,7 +179,12 @@ def test_prefix_cache_counters(server: ServerProcess) -> None:
 def test_request_log_lines(server: ServerProcess) -> None:
     """One JSON line per finished request, without the text unless asked for."""
     secret = "a prompt that must not reach the logs"
-    body = post(server, "/v1/completions", {"prompt": secret, "max_tokens": 2}).json()
+    body = post(
+        server,
+        "/v1/completions",
+        {"prompt": secret, "max_tokens": 2},
+        headers={"x-request-id": "trace-42"},
+    ).json()
 
     def logged() -> dict[str, Any] | None:
         for line in server.log_text().splitlines():
@@ -192,6 +197,7 @@ def test_request_log_lines(server: ServerProcess) -> None:
     entry = logged()
     assert entry is not None
     assert entry["status"] == 200 and entry["model"] == SERVED_NAME
+    assert entry["client_request_id"] == "trace-42"
     assert entry["prompt_tokens"] == body["usage"]["prompt_tokens"]
     assert entry["completion_tokens"] == body["usage"]["completion_tokens"]
     assert entry["ttft_s"] >= entry["queue_time_s"] >= 0 and entry["e2e_s"] >= entry["ttft_s"]

@@ -76,8 +76,9 @@ async def async_wait_until(
 class Process:
     """A `fleetllm ...` subprocess listening on 127.0.0.1:port, with its log in a file."""
 
-    def __init__(self, args: list[str], log_path: Path, port: int | None = None) -> None:
-        self.port = port or free_port()
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = args
         self.log_path = log_path
@@ -87,8 +88,7 @@ class Process:
     def _spawn(self) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "fleetllm.cli", *self.args]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        return subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")

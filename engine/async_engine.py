@@ -141,6 +141,10 @@ class AsyncEngine:
         self._thread.start()
 
     @property
+    def thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def started(self) -> bool:
         return self._thread is not None
 
@@ -162,7 +166,9 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
+        # A thread still loading the model cannot be interrupted; it is a daemon thread and
+        # ends with the process.
+        if self._thread is not None and self.engine is not None:
             self._thread.join(timeout)
 
     @property

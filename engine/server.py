@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -336,25 +337,32 @@ def run_server(
     async def main() -> None:
         nonlocal exit_code
         serve = asyncio.create_task(server.serve())
-        # Bind first, load beside it: /health answers 503 until the model is ready.
-        while not server.started and not serve.done():
-            await asyncio.sleep(0.01)
-        if not serve.done():
-            try:
-                await engine.wait_loaded()
+        loaded = asyncio.create_task(engine.wait_loaded())
+        # The port is bound at once and the model loads beside it: /health says 503 until
+        # it is ready. A signal while loading ends the serve task first.
+        await asyncio.wait({serve, loaded}, return_when=asyncio.FIRST_COMPLETED)
+        if loaded.done():
+            if loaded.exception() is None:
                 log.info(
                     "serving",
                     extra={"host": host, "port": port, "models": settings.model_names},
                 )
-            except BaseException:
+            else:
                 exit_code = 1
                 server.should_exit = True
+        else:
+            loaded.cancel()
         await serve
         if not server.started:
             exit_code = 1
 
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(main())
+    if engine.thread_alive:
+        # Still loading (or stuck in a step): interpreter teardown would kill the thread
+        # inside torch and abort the process, so leave without it.
+        logging.shutdown()
+        os._exit(exit_code)
     return exit_code
 
 

@@ -120,6 +120,25 @@ def test_grace_period_over_aborts_and_exits_0(
     assert server.proc.wait(EXIT_GUARD_S) == 0
 
 
+def test_sigterm_while_loading_exits_0(tmp_path: Path, tiny_chat_dir: Path) -> None:
+    """The port is bound before the model is loaded; a SIGTERM then still exits cleanly."""
+    server = ServerProcess(tiny_server_args(tiny_chat_dir), tmp_path / "server.log")
+    try:
+
+        def loading() -> bool:
+            try:
+                response = httpx.get(f"{server.base_url}/health", timeout=10)
+            except httpx.TransportError:
+                return False
+            return response.status_code in {200, 503}
+
+        wait_until(loading, what="the port answers")
+        server.terminate()
+        assert server.proc.wait(EXIT_GUARD_S) == 0, server.log_text()
+    finally:
+        server.stop()
+
+
 def test_unknown_model_fails_fast() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "fleetllm.cli", "engine", "serve", "--model", "/no/such/model"],

@@ -171,10 +171,6 @@ class AsyncEngine:
         if self._thread is not None and self.engine is not None:
             self._thread.join(timeout)
 
-    @property
-    def num_active_requests(self) -> int:
-        return len(self._streams)
-
     def abort_all(self) -> None:
         """Abort every request; unlike a client's abort, each stream gets its final output
         (finish_reason "abort"), so responses still end properly."""

@@ -4,6 +4,7 @@ several routers can live in one process (tests, the local fleet)."""
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -91,10 +92,25 @@ class RouterMetrics:
             registry=r,
         )
 
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, memoized: the proxy path looks up several per request."""
+        key = (metric._name, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def forget_replica(self, model: str, replica: str) -> None:
-        for gauge in (self.inflight, self.replica_up):
-            with contextlib.suppress(KeyError):
-                gauge.remove(model, replica)
+        """Drop a replica's series, so that churn (new pod addresses) does not grow them."""
+        for metric in (self.inflight, self.replica_up, self.upstream):
+            for key in [k for k in self._children if k[0] == metric._name]:
+                labels = key[1]
+                if labels[:2] == (model, replica):
+                    del self._children[key]
+                    with contextlib.suppress(KeyError):
+                        metric.remove(*labels)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

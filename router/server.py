@@ -196,6 +196,10 @@ class Router:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._upstream_headers = {"Content-Type": "application/json"}
+        # Timeouts past the connect are enforced per phase (first byte, whole request).
+        self._upstream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=settings.connect_timeout
+        )
         if settings.upstream_api_key:
             self._upstream_headers["Authorization"] = f"Bearer {settings.upstream_api_key}"
         if keys_file is not None:
@@ -312,8 +316,8 @@ class Router:
                     replica = Replica(url, name, ref.draining)
                     tracked = state.replicas[url] = _Tracked(
                         replica,
-                        self.metrics.inflight.labels(name, url),
-                        self.metrics.replica_up.labels(name, url),
+                        self.metrics.child(self.metrics.inflight, name, url),
+                        self.metrics.child(self.metrics.replica_up, name, url),
                     )
                     if self._session is not None:
                         tracked.scraper = asyncio.create_task(self._scrape_loop(state, tracked))
@@ -609,11 +613,12 @@ class Router:
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         elapsed = loop.time() - arrival
-        self.metrics.requests.labels(model, str(response.status)).inc()
+        m = self.metrics
+        m.child(m.requests, model, str(response.status)).inc()
         if model:
-            self.metrics.duration.labels(model).observe(elapsed)
+            m.child(m.duration, model).observe(elapsed)
             if context is not None and context.first_byte is None:
-                self.metrics.first_byte.labels(model).observe(elapsed)
+                m.child(m.first_byte, model).observe(elapsed)
         if not response.prepared:
             response.headers["X-Request-Id"] = request_id
         if context is not None and context.key is not None and context.tokens:
@@ -673,7 +678,7 @@ class Router:
                     return error_response(404, f"The model `{state.name}` does not exist.", "model")
                 continue
             if ctx.attempts:
-                self.metrics.retries.labels(state.name).inc()
+                self.metrics.child(self.metrics.retries, state.name).inc()
             ctx.attempts += 1
             tried.add(replica.url)
             ctx.replica = replica.url
@@ -717,9 +722,7 @@ class Router:
                         replica.url + ctx.request.path,
                         data=ctx.body,
                         headers=headers,
-                        timeout=aiohttp.ClientTimeout(
-                            total=None, sock_connect=settings.connect_timeout
-                        ),
+                        timeout=self._upstream_timeout,
                     )
                     outcome = str(upstream.status)
                     content_type = upstream.headers.get("Content-Type", "application/json")
@@ -756,7 +759,7 @@ class Router:
                 )
             return await self._relay(state, replica, tracked, ctx, upstream, first, deadline)
         finally:
-            self.metrics.upstream.labels(state.name, replica.url, outcome).inc()
+            self.metrics.child(self.metrics.upstream, state.name, replica.url, outcome).inc()
             replica.in_flight -= 1
             if tracked is not None:
                 tracked.inflight.dec()
@@ -794,7 +797,9 @@ class Router:
         except ConnectionResetError:
             return out
         ctx.first_byte = loop.time()
-        self.metrics.first_byte.labels(state.name).observe(ctx.first_byte - ctx.arrival)
+        self.metrics.child(self.metrics.first_byte, state.name).observe(
+            ctx.first_byte - ctx.arrival
+        )
         count_tokens = ctx.key is not None and ctx.key.tokens_per_minute is not None
         events = 0
         tail = b""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 from tinymodels import write_tiny_model
 
+from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.model_files import resolve_model
 
@@ -50,3 +52,34 @@ def smollm2_hf(smollm2_dir: Path) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+_ENGINES: weakref.WeakSet[LLMEngine] = weakref.WeakSet()  # every engine still alive
+_CREATED: list[LLMEngine] = []  # engines made by the running test, kept until it is checked
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _track_engines() -> Iterator[None]:
+    original = LLMEngine.__init__
+
+    def init(self: LLMEngine, *args: object, **kwargs: object) -> None:
+        original(self, *args, **kwargs)
+        _ENGINES.add(self)
+        _CREATED.append(self)
+
+    LLMEngine.__init__ = init  # type: ignore[method-assign]
+    yield
+    LLMEngine.__init__ = original  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks(_track_engines: None) -> Iterator[None]:
+    """After every test, each engine it made or could reach has no requests left and every
+    KV block free."""
+    _CREATED.clear()
+    yield
+    engines = {id(e): e for e in [*_CREATED, *_ENGINES]}
+    _CREATED.clear()
+    for engine in engines.values():
+        assert not engine.has_unfinished_requests(), "a test left requests in the engine"
+        assert engine.kv.usage() == 0.0, "KV blocks leaked"

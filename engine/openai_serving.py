@@ -181,7 +181,12 @@ class OpenAIServing:
             raise bad_request(f"chat_template_kwargs: {exc}", "chat_template_kwargs") from None
         if continue_final_message:
             # Cut the rendered end-of-turn after the last message, so generation continues it.
-            last = str(messages[-1].get("content", ""))
+            content = messages[-1].get("content", "")
+            last = (
+                "\n".join(str(part.get("text", "")) for part in content)
+                if isinstance(content, list)
+                else str(content)
+            )
             cut = text.rfind(last)
             if last and cut != -1:
                 text = text[: cut + len(last)]

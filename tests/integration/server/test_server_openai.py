@@ -283,3 +283,15 @@ def test_models_version_tokenize(
     assert chat["token_strs"] is None
     back = post(server, "/detokenize", {"tokens": ids}).json()
     assert back == {"prompt": PROMPT}
+
+
+def test_continue_final_message(server: ServerProcess, offline_llm: LLM) -> None:
+    messages = [*MESSAGES, {"role": "assistant", "content": "Cats are"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    tokens = post(server, "/tokenize", {"messages": messages, **flags}).json()["tokens"]
+    prompt = post(server, "/detokenize", {"tokens": tokens}).json()["prompt"]
+    assert prompt.endswith("assistant\nCats are")  # no end-of-turn after the last message
+    params = {"temperature": 0.0, "max_tokens": 6}
+    body = post(server, "/v1/chat/completions", {"messages": messages, **flags, **params}).json()
+    expected = _offline(offline_llm, tokens, params).outputs[0].text
+    assert body["choices"][0]["message"]["content"] == expected

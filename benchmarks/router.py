@@ -209,6 +209,19 @@ def system_prompt(rng: random.Random, words: int) -> str:
     )
 
 
+async def prefix_cache(session: aiohttp.ClientSession, engines: list[Proc]) -> tuple[float, float]:
+    """Prompt tokens looked up in the engines' prefix caches, and of those found, summed."""
+    queries = hits = 0.0
+    for e in engines:
+        async with session.get(f"{e.url}/metrics") as r:
+            for line in (await r.text()).splitlines():
+                if line.startswith("vllm:prefix_cache_queries_total"):
+                    queries += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:prefix_cache_hits_total"):
+                    hits += float(line.rsplit(" ", 1)[1])
+    return queries, hits
+
+
 async def prefix_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     strategies = ("prefix", "least-load", "round-robin")
     with processes() as procs:
@@ -269,13 +282,20 @@ async def prefix_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]
                         ttft, _ = await stream_once(session, url, body)
                     return ttft
 
+                cache_before = await prefix_cache(session, engines)
                 started = time.perf_counter()
                 ttfts = await asyncio.gather(*(run(job) for job in jobs))
+                wall = time.perf_counter() - started
+                cache_after = await prefix_cache(session, engines)
+                queries = cache_after[0] - cache_before[0]
                 result[strategy] = {
                     "mean_ttft_ms": round(statistics.fmean(ttfts) * 1000, 1),
                     "median_ttft_ms": round(statistics.median(ttfts) * 1000, 1),
                     "p99_ttft_ms": round(percentile(ttfts, 99) * 1000, 1),
-                    "wall_s": round(time.perf_counter() - started, 1),
+                    "prefix_cache_hit_rate": round(
+                        (cache_after[1] - cache_before[1]) / queries if queries else 0.0, 3
+                    ),
+                    "wall_s": round(wall, 1),
                 }
         result["round_robin_over_prefix"] = round(
             result["round-robin"]["mean_ttft_ms"] / result["prefix"]["mean_ttft_ms"], 2
@@ -298,13 +318,13 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32, help="latency part: tokens per stream")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--prompts", type=int, default=24)
-    p.add_argument("--requests-per-prompt", type=int, default=5)
-    p.add_argument("--prompt-words", type=int, default=400, help="about 1 token per word")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests-per-prompt", type=int, default=8)
+    p.add_argument("--prompt-words", type=int, default=800, help="about 1 token per word")
+    p.add_argument("--concurrency", type=int, default=4)
     p.add_argument(
         "--num-kv-blocks",
         type=int,
-        default=256,
+        default=512,
         help="per replica (16 tokens each): fewer prefixes than the whole set",
     )
     args = p.parse_args()

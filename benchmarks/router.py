@@ -59,13 +59,13 @@ def free_port() -> int:
 
 
 class Proc:
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, program: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleetllm.cli", *args, "--host", "127.0.0.1",
-             "--port", str(self.port)],
+            [*(program or [sys.executable, "-m", "fleetllm.cli"]), *args,
+             "--host", "127.0.0.1", "--port", str(self.port)],
             stdout=self._log, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
@@ -142,13 +142,51 @@ def percentile(values: list[float], q: float) -> float:
 # -- part 1 ----------------------------------------------------------------------------------
 
 
-async def latency_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def serve_stub(argv: list[str]) -> None:
+    """A constant-time stand-in for a replica: every stream sends one event per interval (a
+    GPU-like decode step). It has no variance of its own, so what differs between the
+    direct and the routed streams is the router's delay alone."""
+    from aiohttp import web
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--interval", type=float, default=0.02)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    a = p.parse_args(argv)
+    event = (
+        b'data: {"id":"cmpl-stub","object":"text_completion","created":0,"model":"bench",'
+        b'"choices":[{"index":0,"text":" token","logprobs":null,"finish_reason":null}]}\n\n'
+    )
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.method == "GET":
+            return web.Response(text="")
+        body = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(body.get("max_tokens", 16)):
+            await asyncio.sleep(a.interval)
+            await response.write(event)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    web.run_app(app, host=a.host, port=a.port, access_log=None, print=None)
+
+
+async def latency_part(args: argparse.Namespace, workdir: Path, stub: bool) -> dict[str, Any]:
     """N closed-loop clients stream through the router while N others stream straight to the
-    same engine, all at once: both paths ride the same engine batches on the same machine,
-    so the difference between them is the router's own delay, not engine variance. Each
-    client's first request (connection set-up, cold caches) is not counted."""
+    same upstream, all at once: both paths ride the same engine batches on the same machine,
+    so the difference between them is the router's delay. Each client's first request
+    (connection set-up, cold caches) is not counted."""
     with processes() as procs:
-        engine = Proc(engine_args(args, args.latency_model), workdir / "latency-engine.log")
+        if stub:
+            program = [sys.executable, str(Path(__file__).resolve()), "--serve-stub"]
+            engine = Proc(["--interval", str(args.stub_interval)], workdir / "stub.log", program)
+        else:
+            engine = Proc(engine_args(args, args.latency_model), workdir / "latency-engine.log")
         procs.append(engine)
         fleet = workdir / "latency-fleet.json"
         fleet.write_text(json.dumps({"models": {"bench": [engine.url]}}))
@@ -187,6 +225,7 @@ async def latency_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any
                 for w in range(args.streams)
             ))  # fmt: skip
     result: dict[str, Any] = {
+        "upstream": f"stub, one event per {args.stub_interval}s" if stub else args.latency_model,
         "streams_per_path": args.streams,
         "requests_per_path": len(samples["router"]["ttft"]),
     }
@@ -307,6 +346,9 @@ async def prefix_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--serve-stub"]:
+        serve_stub(sys.argv[2:])
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=("all", "latency", "prefix"), default="all")
     p.add_argument("--model", default="smollm2-135m", help="model of the prefix part")
@@ -316,6 +358,12 @@ def main() -> int:
     p.add_argument("--requests-per-client", type=int, default=3)
     p.add_argument("--stagger", type=float, default=2.0, help="seconds over which clients start")
     p.add_argument("--max-tokens", type=int, default=32, help="latency part: tokens per stream")
+    p.add_argument(
+        "--stub-interval",
+        type=float,
+        default=0.02,
+        help="latency part, stub upstream: seconds between events",
+    )
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--requests-per-prompt", type=int, default=8)
@@ -332,8 +380,9 @@ def main() -> int:
         workdir = Path(tmp)
         report: dict[str, Any] = {}
         if args.part in ("all", "latency"):
-            report["added_latency"] = asyncio.run(latency_part(args, workdir))
-            print(json.dumps({"added_latency": report["added_latency"]}, indent=2), flush=True)
+            for name, stub in (("added_latency_engine", False), ("added_latency_stub", True)):
+                report[name] = asyncio.run(latency_part(args, workdir, stub))
+                print(json.dumps({name: report[name]}, indent=2), flush=True)
         if args.part in ("all", "prefix"):
             report["shared_prefix_ttft"] = asyncio.run(prefix_part(args, workdir))
             print(json.dumps({"shared_prefix_ttft": report["shared_prefix_ttft"]}, indent=2))

@@ -15,7 +15,6 @@ source is asked for capacity (`signal_demand`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -406,8 +405,13 @@ class KubernetesDiscovery:
                     else:
                         store[key(obj)] = parsed
                     self._changed()
-            except (aiohttp.ClientError, TimeoutError, KubeError, json.JSONDecodeError) as exc:
+            except (aiohttp.ClientError, TimeoutError, KubeError, ValueError) as exc:
                 log.warning("kubernetes watch of %s broke, listing again: %s", path, exc)
+                await asyncio.sleep(self.retry_delay)
+            except Exception:
+                # Whatever the cause, a router that stops following its fleet is worse than
+                # one that keeps trying.
+                log.exception("kubernetes watch of %s failed, listing again", path)
                 await asyncio.sleep(self.retry_delay)
 
     async def signal_demand(self, route: ModelRoute) -> None:

@@ -55,6 +55,7 @@ PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Statuses after which another replica may do better; anything else is the answer.
 RETRY_STATUSES = frozenset({502, 503, 504})
 RETRY_AFTER_SECONDS = 5
+CLIENT_CLOSED = "499"
 SSE_END = b"\n\n"
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -595,7 +596,12 @@ class Router:
                     request_id,
                 )
         context = _Context(request, request_id, model, arrival, body, payload, key)
-        response = await self._route(state, context)
+        try:
+            response = await self._route(state, context)
+        except asyncio.CancelledError:
+            # The client went away before its answer was complete (nginx's 499).
+            self.metrics.child(self.metrics.requests, model, CLIENT_CLOSED).inc()
+            raise
         return self._finish(response, model, arrival, request_id, context)
 
     def _too_large(self) -> web.Response:

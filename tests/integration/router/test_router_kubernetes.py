@@ -11,6 +11,7 @@ cannot fool.
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -83,8 +84,7 @@ async def _write(api: Any, method: str, path: str, body: Any = None) -> None:
         assert response.status in (200, 201), await response.text()
 
 
-@pytest_asyncio.fixture()
-async def router(api: Any, tmp_path: Path) -> AsyncIterator[Process]:
+def _kubeconfig(api: Any, tmp_path: Path) -> Path:
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         "apiVersion: v1\nkind: Config\n"
@@ -93,6 +93,12 @@ async def router(api: Any, tmp_path: Path) -> AsyncIterator[Process]:
         "contexts: [{name: emu, context: {cluster: emu, user: anon}}]\n"
         "current-context: emu\n"
     )
+    return kubeconfig
+
+
+@pytest_asyncio.fixture()
+async def router(api: Any, tmp_path: Path) -> AsyncIterator[Process]:
+    kubeconfig = _kubeconfig(api, tmp_path)
     process = Process(
         ["router", "serve", "--discovery", "kubernetes", "--namespace", NS,
          "--hold-timeout", str(GUARD), "--scrape-interval", "0.2"],
@@ -230,3 +236,42 @@ def _lister(client: httpx.AsyncClient, router: Process) -> Callable[[], Any]:
         return [m["id"] for m in body["data"]]
 
     return models
+
+
+async def test_api_keys_from_a_secret(api: Any, engines: EngineFleet, tmp_path: Path) -> None:
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "router-keys", "namespace": NS},
+        "data": {"team-a": base64.b64encode(b"sk-from-secret").decode()},
+    }
+    await _write(api, "POST", f"/api/v1/namespaces/{NS}/secrets", secret)
+    await _write(api, "POST", CRS, _deployment("beta", "beta", 1, "least-load"))
+    await _write(api, "POST", SLICES, _slice("beta-0", "beta", "beta", engines.beta.port))
+    process = Process(
+        ["router", "serve", "--discovery", "kubernetes", "--namespace", NS,
+         "--api-keys-secret", f"{NS}/router-keys"],
+        tmp_path / "router.log",
+        env={"KUBECONFIG": str(_kubeconfig(api, tmp_path))},
+    )  # fmt: skip
+    try:
+        await asyncio.to_thread(process.wait_healthy)
+        body = {"model": "beta", "prompt": "x", "max_tokens": 2}
+        async with httpx.AsyncClient(timeout=GUARD) as client:
+
+            async def status(key: str | None) -> int:
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                r = await client.post(f"{process.url}/v1/completions", json=body, headers=headers)
+                return r.status_code
+
+            await async_wait_until(
+                lambda: _is(status("sk-from-secret"), 200), "key from the Secret accepted", GUARD
+            )
+            assert await status(None) == 401
+            assert await status("sk-other") == 401
+    finally:
+        await asyncio.to_thread(process.close)
+
+
+async def _is(value: Any, expected: Any) -> bool:
+    return await value == expected

@@ -11,26 +11,14 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from router_testkit import Process, engine_args
+from router_testkit import ALPHA_MAX_SEQS, EngineFleet, Process, engine_args
 from tinymodels import write_tiny_chat_model
-
-ALPHA_MAX_SEQS = 4
-
-
-@dataclass
-class EngineFleet:
-    alpha: list[Process]
-    beta: Process
-
-    def all(self) -> list[Process]:
-        return [*self.alpha, self.beta]
 
 
 def _start_all(processes: list[Process]) -> None:

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,20 @@ class Process:
         response = httpx.get(f"{self.url}/metrics", timeout=10.0)
         response.raise_for_status()
         return response.text
+
+
+# Alpha replicas run at most this many sequences at a time, so that under load some
+# requests wait in a replica's queue.
+ALPHA_MAX_SEQS = 4
+
+
+@dataclass
+class EngineFleet:
+    alpha: list[Process]
+    beta: Process
+
+    def all(self) -> list[Process]:
+        return [*self.alpha, self.beta]
 
 
 def engine_args(model_dir: Path, name: str, *extra: str) -> list[str]:

@@ -11,8 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ALPHA_MAX_SEQS, EngineFleet
-from router_testkit import metric_sum, wait_until, write_fleet
+from router_testkit import ALPHA_MAX_SEQS, EngineFleet, metric_sum, wait_until, write_fleet
 
 GUARD = 180.0  # hang guard for the whole burst
 MAX_TOKENS = 64

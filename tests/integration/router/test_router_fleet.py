@@ -11,8 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import EngineFleet
-from router_testkit import Process, metric_sum, write_fleet
+from router_testkit import EngineFleet, Process, metric_sum, write_fleet
 
 TIMEOUT = 120.0
 

@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from conftest import EngineFleet
-from router_testkit import wait_until, write_fleet
+from router_testkit import EngineFleet, wait_until, write_fleet
 
 GUARD = 120.0
 

@@ -20,8 +20,7 @@ import httpx
 import kmock
 import pytest
 import pytest_asyncio
-from conftest import EngineFleet
-from router_testkit import Process, async_wait_until, metric_sum
+from router_testkit import EngineFleet, Process, async_wait_until, metric_sum
 
 from fleetllm.operator.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from fleetllm.operator.render import LABEL_MODEL

@@ -15,6 +15,9 @@ from router_testkit import ALPHA_MAX_SEQS, EngineFleet, metric_sum, wait_until, 
 
 GUARD = 180.0  # hang guard for the whole burst
 MAX_TOKENS = 64
+# The first requests stream, the rest do not: each replica admits its first (streaming)
+# arrivals while the later ones, of both kinds, wait in its queue.
+STREAMS = 30
 
 
 async def _one(client: httpx.AsyncClient, url: str, i: int) -> dict[str, Any]:
@@ -25,7 +28,7 @@ async def _one(client: httpx.AsyncClient, url: str, i: int) -> dict[str, Any]:
         "ignore_eos": True,
         "temperature": 0,
     }
-    if i % 2:
+    if i >= STREAMS:
         r = await client.post(f"{url}/v1/completions", json=body)
         return {"stream": False, "status": r.status_code, "body": r.json()}
     async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
@@ -39,7 +42,8 @@ def _running_with_a_queue(engine_url: str) -> bool:
     return (
         metric_sum(text, "vllm:num_requests_running") >= 1
         and metric_sum(text, "vllm:num_requests_waiting") >= 1
-        and metric_sum(text, "vllm:generation_tokens_total") > 0
+        # Several tokens per running stream: their first events have reached the clients.
+        and metric_sum(text, "vllm:generation_tokens_total") >= 3 * ALPHA_MAX_SEQS
     )
 
 

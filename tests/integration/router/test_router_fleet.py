@@ -151,7 +151,6 @@ def _prefix_hits(engines: EngineFleet) -> dict[str, float]:
 def test_prefix_strategy_keeps_each_system_prompt_on_one_replica(
     router: Process, engines: EngineFleet
 ) -> None:
-    homes: dict[str, str] = {}
     for topic in TOPICS:
         system = {"role": "system", "content": _system_prompt(topic)}
         shared = httpx.post(
@@ -174,13 +173,11 @@ def test_prefix_strategy_keeps_each_system_prompt_on_one_replica(
         }
         assert len(used) == 1 and next(iter(used.values())) == 10, used
         home = next(iter(used))
-        homes[topic] = home
         # The nine requests after the first found the system prompt's full blocks cached on
         # that replica; the other replicas looked nothing up.
         block = 16
         assert new_hits[home] - hits[home] >= 9 * (shared // block) * block
         assert all(new_hits[u] == hits[u] for u in hits if u != home)
-    assert len(set(homes.values())) >= 2  # four prompts do not all hash to one replica
 
 
 def test_prefix_strategy_bounds_load_under_a_burst_of_one_prompt(

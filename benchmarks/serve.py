@@ -209,6 +209,7 @@ def print_summary(title: str, s: dict[str, Any]) -> None:
         print(f"{label:<40}{value:>12}")
     for error in s["errors"]:
         print(f"error: {error}")
+    sys.stdout.flush()  # results of a long sweep show up as each run ends
 
 
 def run_offline(args: argparse.Namespace, workload: Workload, concurrency: int | None) -> float:

@@ -65,13 +65,15 @@ class ServerSettings:
 class ServerState:
     """What the routes share: the engine, its metrics, and whether we are draining."""
 
-    def __init__(self, settings: ServerSettings, engine: AsyncEngine) -> None:
+    def __init__(
+        self, settings: ServerSettings, engine: AsyncEngine, metrics: EngineMetrics
+    ) -> None:
         self.settings = settings
         self.engine = engine
+        self.metrics = metrics
         self.serving = OpenAIServing(
             engine, settings.model_names, log_requests_text=settings.log_requests_text
         )
-        self.metrics: EngineMetrics | None = None
         self.draining = False
 
     def check_accepting(self) -> None:
@@ -94,12 +96,7 @@ def create_app(
     engine = AsyncEngine(factory, max_waiting_requests=max_waiting_requests)
     metrics = EngineMetrics(settings.model_names[0], lambda: engine.stats)
     engine.on_step = metrics.observe_step
-    return build_app(settings, engine, metrics)
-
-
-def build_app(settings: ServerSettings, engine: AsyncEngine, metrics: EngineMetrics) -> FastAPI:
-    state = ServerState(settings, engine)
-    state.metrics = metrics
+    state = ServerState(settings, engine, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -184,8 +181,7 @@ def build_app(settings: ServerSettings, engine: AsyncEngine, metrics: EngineMetr
 
     @open_routes.get("/metrics")
     async def metrics_route() -> Response:
-        assert state.metrics is not None
-        return Response(state.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+        return Response(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fleetllm.engine.block_manager import NULL_BLOCK
+
 
 @dataclass
 class PrefillChunk:
@@ -55,11 +57,11 @@ def build_metadata(
         lens = [ctx for _, ctx in decodes]
         max_ctx = max(lens)
         max_blocks = -(-max_ctx // block_size)
-        # Padding points at a real slot (0) that the mask hides: a finite value, so the
-        # masked product stays exactly zero.
+        # Every position the mask hides reads the null block: zeros, never NaN, so the masked
+        # product stays exactly zero.
         tables = torch.tensor(
             [
-                table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks]))
+                table[:max_blocks] + [NULL_BLOCK] * (max_blocks - len(table[:max_blocks]))
                 for table, _ in decodes
             ],
             dtype=torch.long,
@@ -68,7 +70,7 @@ def build_metadata(
         decode_slots = _table_slots(tables, block_size)[:, :max_ctx]
         lens_t = torch.tensor(lens, device=device)
         decode_mask = torch.arange(max_ctx, device=device)[None, :] < lens_t[:, None]
-        decode_slots = decode_slots.masked_fill(~decode_mask, 0)
+        decode_slots = decode_slots.masked_fill(~decode_mask, NULL_BLOCK * block_size)
         decode_mask = decode_mask[:, None, None, :]
         slot_mapping.append(decode_slots.gather(1, (lens_t - 1)[:, None]).view(-1))
     chunks: list[PrefillChunk] = []

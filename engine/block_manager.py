@@ -27,15 +27,23 @@ class Block:
     block_hash: int | None = None
 
 
+NULL_BLOCK = 0
+
+
 class BlockPool:
-    """A fixed set of blocks; free blocks are kept in LRU order (oldest first)."""
+    """A fixed set of blocks; free blocks are kept in LRU order (oldest first).
+
+    Block ids run from 1 to num_blocks: id 0 is the null block, never handed out. The cache
+    tensors keep it zeroed and padded attention rows point at it, so the rest of the cache
+    never needs initialising.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.blocks = [Block(i) for i in range(num_blocks + 1)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks + 1))
         self._cached: dict[int, int] = {}  # block hash -> block id
 
     @property

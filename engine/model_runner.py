@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from fleetllm.engine.attention import AttentionMetadata, build_metadata
-from fleetllm.engine.block_manager import KVCacheManager
+from fleetllm.engine.block_manager import NULL_BLOCK, KVCacheManager
 from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.model import LlamaForCausalLM
 from fleetllm.engine.scheduler import ScheduledRequest
@@ -35,16 +35,22 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = device
-        slots = kv.num_blocks * kv.block_size
-        # Zeroed, not empty: padded decode rows read arbitrary slots under a mask, and a
-        # masked NaN would still poison the softmax.
+        # One extra block for the null block (id 0); only it is zeroed. Every other slot is
+        # written before it is read, so the pool stays uninitialised and the operating system
+        # commits its memory as blocks are first used.
+        slots = (kv.num_blocks + 1) * kv.block_size
+        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device),
-                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device),
+                torch.empty(shape, dtype=dtype, device=device),
+                torch.empty(shape, dtype=dtype, device=device),
             )
             for _ in range(cfg.num_layers)
         ]
+        null = slice(NULL_BLOCK * kv.block_size, (NULL_BLOCK + 1) * kv.block_size)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[null].zero_()
+            v_cache[null].zero_()
 
     def prepare(self, batch: list[ScheduledRequest]) -> ModelInput:
         """Order the batch decodes-first and describe it for the model."""

@@ -32,10 +32,11 @@ class PrefillChunk:
 
 @dataclass
 class AttentionMetadata:
+    block_size: int
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     num_decodes: int  # the first num_decodes tokens are decodes
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] slots, padded
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool
+    decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] block ids, padded
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
 
 
@@ -52,27 +53,25 @@ def build_metadata(
               decodes.
     """
     slot_mapping: list[torch.Tensor] = []
-    decode_slots = decode_mask = None
+    decode_tables = decode_mask = None
     if decodes:
         lens = [ctx for _, ctx in decodes]
-        max_ctx = max(lens)
-        max_blocks = -(-max_ctx // block_size)
-        # Every position the mask hides reads the null block: zeros, never NaN, so the masked
-        # product stays exactly zero.
-        tables = torch.tensor(
-            [
-                table[:max_blocks] + [NULL_BLOCK] * (max_blocks - len(table[:max_blocks]))
-                for table, _ in decodes
-            ],
+        max_blocks = -(-max(lens) // block_size)
+        # Rows are padded with the null block; every position past a sequence's context is
+        # masked, and reads only finite values (zeros or an earlier request's K/V).
+        decode_tables = torch.tensor(
+            [table[:max_blocks] + [NULL_BLOCK] * (max_blocks - len(table)) for table, _ in decodes],
             dtype=torch.long,
             device=device,
         )
-        decode_slots = _table_slots(tables, block_size)[:, :max_ctx]
-        lens_t = torch.tensor(lens, device=device)
-        decode_mask = torch.arange(max_ctx, device=device)[None, :] < lens_t[:, None]
-        decode_slots = decode_slots.masked_fill(~decode_mask, NULL_BLOCK * block_size)
-        decode_mask = decode_mask[:, None, None, :]
-        slot_mapping.append(decode_slots.gather(1, (lens_t - 1)[:, None]).view(-1))
+        lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+        positions = torch.arange(max_blocks * block_size, device=device)
+        decode_mask = (positions[None, :] < lens_t[:, None])[:, None, None, :]
+        last = lens_t - 1
+        slot_mapping.append(
+            decode_tables.gather(1, (last // block_size)[:, None]).view(-1) * block_size
+            + last % block_size
+        )
     chunks: list[PrefillChunk] = []
     start = len(decodes)
     for table, computed, qlen in prefills:
@@ -89,12 +88,22 @@ def build_metadata(
         chunks.append(PrefillChunk(start, qlen, ctx, context_slots, mask))
         start += qlen
     return AttentionMetadata(
+        block_size=block_size,
         slot_mapping=torch.cat(slot_mapping),
         num_decodes=len(decodes),
-        decode_slots=decode_slots,
+        decode_tables=decode_tables,
         decode_mask=decode_mask,
         prefills=chunks,
     )
+
+
+def _gather_blocks(
+    cache: torch.Tensor, block_ids: torch.Tensor, rows: int, block_size: int
+) -> torch.Tensor:
+    """[num_slots, KVH, D] cache, flat block ids of `rows` sequences -> [rows, L, KVH, D]."""
+    _, kv_heads, head_dim = cache.shape
+    blocks = cache.view(-1, block_size * kv_heads * head_dim).index_select(0, block_ids)
+    return blocks.view(rows, -1, kv_heads, head_dim)
 
 
 def _table_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -126,11 +135,11 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         n = md.num_decodes
         if n:
-            assert md.decode_slots is not None
-            b, ctx = md.decode_slots.shape
-            flat = md.decode_slots.view(-1)
-            kd = k_cache.index_select(0, flat).view(b, ctx, self.num_kv_heads, self.head_dim)
-            vd = v_cache.index_select(0, flat).view(b, ctx, self.num_kv_heads, self.head_dim)
+            assert md.decode_tables is not None
+            # Whole blocks at a time: one contiguous copy per block, not per token.
+            flat = md.decode_tables.view(-1)
+            kd = _gather_blocks(k_cache, flat, n, md.block_size)
+            vd = _gather_blocks(v_cache, flat, n, md.block_size)
             # Each kv head's query heads form its query rows (a decode needs no causal mask):
             # one dense attention per kv head instead of a grouped-query expansion.
             group = self.num_heads // self.num_kv_heads

@@ -33,9 +33,11 @@ NULL_BLOCK = 0
 class BlockPool:
     """A fixed set of blocks; free blocks are kept in LRU order (oldest first).
 
-    Block ids run from 1 to num_blocks: id 0 is the null block, never handed out. The cache
-    tensors keep it zeroed and padded attention rows point at it, so the rest of the cache
-    never needs initialising.
+    Block ids run from 1 to num_blocks: id 0 is the null block, never handed out, which
+    padded attention rows point at. Never-used blocks leave the free queue in id order, so
+    the blocks handed out at least once are exactly ids 1..num_touched: the cache tensors
+    zero each block on its first use (and the null block up front) instead of initialising
+    the whole pool, and masked attention positions only ever read finite values.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -45,6 +47,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks + 1)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks + 1))
         self._cached: dict[int, int] = {}  # block hash -> block id
+        self.num_touched = 0
 
     @property
     def num_free(self) -> int:
@@ -63,6 +66,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
+            self.num_touched = max(self.num_touched, block_id)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 # Evicting the least recently used cached block.
@@ -113,6 +117,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self._reported_touched = 0
         self._requests: dict[str, _RequestBlocks] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found cached
@@ -123,6 +128,12 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def take_fresh_blocks(self) -> range:
+        """Block ids handed out for the first time since the last call."""
+        fresh = range(self._reported_touched + 1, self.pool.num_touched + 1)
+        self._reported_touched = self.pool.num_touched
+        return fresh
 
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._requests[request_id].blocks]

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +157,6 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     skip_tokenizer_init: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -63,7 +63,9 @@ class LLMEngine:
         self.eos_token_ids = (
             self.tokenizer.stop_token_ids if self.tokenizer else frozenset(cfg.eos_token_ids)
         )
-        self.model = load_model(self.model_dir, cfg, self.dtype, self.device, self.max_model_len)
+        self.model = load_model(
+            self.model_dir, cfg, self.dtype, self.device, self.max_model_len, config.max_num_seqs
+        )
         num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from fleetllm.engine.config import ModelConfig
+from fleetllm.engine.cpu_linear import pack_linear_layers, packing_supported
 from fleetllm.engine.model import STACKED_PARAMS, LlamaForCausalLM, RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    batch_hint: int = 1,
 ) -> LlamaForCausalLM:
+    """`batch_hint`: the usual number of rows per forward (the decode batch), for kernels that
+    lay their weights out for a batch size."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     expected = set(model.state_dict())
@@ -79,9 +83,15 @@ def load_model(
     # Buffers are not in the checkpoint; build the RoPE tables for real.
     model.model.rotary = RotaryEmbedding(cfg, max_positions).to(device)
     model.eval()
+    packed = pack_linear_layers(model, batch_hint) if packing_supported(dtype, device) else 0
     log.info(
         "loaded model",
-        extra={"model_dir": str(model_dir), "dtype": str(dtype), "tensors": len(weights)},
+        extra={
+            "model_dir": str(model_dir),
+            "dtype": str(dtype),
+            "tensors": len(weights),
+            "packed_linears": packed,
+        },
     )
     return model
 

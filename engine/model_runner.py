@@ -35,9 +35,10 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = device
-        # One extra block for the null block (id 0); only it is zeroed. Every other slot is
-        # written before it is read, so the pool stays uninitialised and the operating system
-        # commits its memory as blocks are first used.
+        # One extra block for the null block (id 0). The pool starts uninitialised, so the
+        # operating system commits its memory only as blocks come into use; each block is
+        # zeroed on its first use (see BlockPool), the null block right away.
+        self.block_size = kv.block_size
         slots = (kv.num_blocks + 1) * kv.block_size
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
@@ -47,10 +48,14 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
-        null = slice(NULL_BLOCK * kv.block_size, (NULL_BLOCK + 1) * kv.block_size)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[null].zero_()
-            v_cache[null].zero_()
+        self._zero_blocks(range(NULL_BLOCK, NULL_BLOCK + 1))
+
+    def _zero_blocks(self, blocks: range) -> None:
+        if blocks:
+            rows = slice(blocks.start * self.block_size, blocks.stop * self.block_size)
+            for k_cache, v_cache in self.kv_caches:
+                k_cache[rows].zero_()
+                v_cache[rows].zero_()
 
     def prepare(self, batch: list[ScheduledRequest]) -> ModelInput:
         """Order the batch decodes-first and describe it for the model."""
@@ -97,6 +102,7 @@ class ModelRunner:
 
     def execute(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
         """Float32 logits [num_sampled, vocab] and the requests they belong to."""
+        self._zero_blocks(self.kv.take_fresh_blocks())
         inp = self.prepare(batch)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
         return self.model.compute_logits(hidden[inp.logits_indices]), inp.sampled

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fleetllm.engine.config import EngineConfig
+from fleetllm.engine.cpu_linear import PackedLinear, packing_supported
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.sampling_params import SamplingParams
@@ -20,7 +21,11 @@ def test_half_precision_prefill_matches_hf(smollm2_dir, dtype: str) -> None:
     torch_dtype = getattr(torch, dtype)
     hf = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch_dtype).eval()
     llm = LLM(str(smollm2_dir), dtype=dtype, num_kv_blocks=128, max_model_len=1024)
-    assert llm.engine.model.lm_head.weight.dtype == torch_dtype
+    assert llm.engine.model.model.embed_tokens.weight.dtype == torch_dtype
+    # Half precision on the CPU runs its matmuls on prepacked weights.
+    assert isinstance(llm.engine.model.lm_head, PackedLinear) == packing_supported(
+        torch_dtype, torch.device("cpu")
+    )
     assert llm.engine.runner.kv_caches[0][0].dtype == torch_dtype
     ids = llm.get_tokenizer().encode("The capital of France is")
     out = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=3, logprobs=5))[0]

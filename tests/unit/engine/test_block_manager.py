@@ -121,3 +121,18 @@ def test_pool_rejects_double_release() -> None:
     pool.release([block])
     with pytest.raises(AssertionError):
         pool.release([block])
+
+
+def test_fresh_blocks_are_reported_once_in_id_order() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=BS, enable_prefix_caching=False)
+    assert kv.take_fresh_blocks() == range(1, 1)
+    assert kv.allocate("a", 8)
+    assert kv.take_fresh_blocks() == range(1, 3)
+    assert kv.take_fresh_blocks() == range(3, 3)
+    kv.free("a")
+    # Reused blocks are not fresh; never-used ones still come first, in id order.
+    assert kv.allocate("b", 12)
+    assert kv.take_fresh_blocks() == range(3, 6)
+    assert kv.allocate("c", 12)
+    assert kv.take_fresh_blocks() == range(6, 7)
+    assert 0 not in kv.block_table("b") + kv.block_table("c")  # the null block is never given

@@ -27,7 +27,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fleetllm import __version__
 from fleetllm.engine.async_engine import AsyncEngine
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.engine import LLMEngine
@@ -43,6 +42,7 @@ from fleetllm.engine.protocol import (
     parse_request,
     parse_tokenize_request,
 )
+from fleetllm.version import __version__
 
 log = logging.getLogger("fleetllm.engine.server")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fleetllm import __version__
+from fleetllm.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:

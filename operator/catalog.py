@@ -110,14 +110,35 @@ class ModelArch:
         return self.embedding_parameters() + norms + bias
 
 
-def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, *,
-           head_dim: int = 128, vocab: int = 128256, max_pos: int = 131072,
-           tied: bool = False, qkv_bias: bool = False,
-           aliases: tuple[str, ...] = ()) -> ModelArch:
-    return ModelArch(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,
-                     num_kv_heads=kv, head_dim=head_dim, vocab_size=vocab, max_position=max_pos,
-                     intermediate_size=inter, tied_embeddings=tied, qkv_bias=qkv_bias,
-                     aliases=aliases or (name.lower(),))
+def _llama(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv: int,
+    inter: int,
+    *,
+    head_dim: int = 128,
+    vocab: int = 128256,
+    max_pos: int = 131072,
+    tied: bool = False,
+    qkv_bias: bool = False,
+    aliases: tuple[str, ...] = (),
+) -> ModelArch:
+    return ModelArch(
+        name=name,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_position=max_pos,
+        intermediate_size=inter,
+        tied_embeddings=tied,
+        qkv_bias=qkv_bias,
+        aliases=aliases or (name.lower(),),
+    )
 
 
 MODELS: dict[str, ModelArch] = {
@@ -128,19 +149,28 @@ MODELS: dict[str, ModelArch] = {
         _llama("Llama-3.2-1B", 16, 2048, 32, 8, 8192, head_dim=64, tied=True),
         _llama("Llama-3.2-3B", 28, 3072, 24, 8, 8192, tied=True),
         # Qwen2.5's native context is 32K; longer needs YaRN scaling set by hand.
-        _llama("Qwen2.5-7B", 28, 3584, 28, 4, 18944, vocab=152064, max_pos=32768,
-               qkv_bias=True),
-        _llama("Qwen2.5-14B", 48, 5120, 40, 8, 13824, vocab=152064, max_pos=32768,
-               qkv_bias=True),
-        _llama("Qwen2.5-72B", 80, 8192, 64, 8, 29568, vocab=152064, max_pos=32768,
-               qkv_bias=True),
+        _llama("Qwen2.5-7B", 28, 3584, 28, 4, 18944, vocab=152064, max_pos=32768, qkv_bias=True),
+        _llama("Qwen2.5-14B", 48, 5120, 40, 8, 13824, vocab=152064, max_pos=32768, qkv_bias=True),
+        _llama("Qwen2.5-72B", 80, 8192, 64, 8, 29568, vocab=152064, max_pos=32768, qkv_bias=True),
         _llama("Mistral-7B", 32, 4096, 32, 8, 14336, vocab=32768, max_pos=32768),
-        _llama("SmolLM2-135M", 30, 576, 9, 3, 1536, head_dim=64, vocab=49152, max_pos=8192,
-               tied=True),
-        _llama("SmolLM2-360M", 32, 960, 15, 5, 2560, head_dim=64, vocab=49152, max_pos=8192,
-               tied=True),
-        _llama("SmolLM2-1.7B", 24, 2048, 32, 32, 8192, head_dim=64, vocab=49152, max_pos=8192,
-               tied=True),
+        _llama(
+            "SmolLM2-135M", 30, 576, 9, 3, 1536, head_dim=64, vocab=49152, max_pos=8192, tied=True
+        ),
+        _llama(
+            "SmolLM2-360M", 32, 960, 15, 5, 2560, head_dim=64, vocab=49152, max_pos=8192, tied=True
+        ),
+        _llama(
+            "SmolLM2-1.7B",
+            24,
+            2048,
+            32,
+            32,
+            8192,
+            head_dim=64,
+            vocab=49152,
+            max_pos=8192,
+            tied=True,
+        ),
     )
 }
 

@@ -53,8 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p_render.set_defaults(func=cmd_render)
 
     p_crds = sub.add_parser("crds", help="print the LLMDeployment CustomResourceDefinition")
-    p_crds.add_argument("--reference", action="store_true",
-                        help="print the field reference (Markdown) instead")
+    p_crds.add_argument(
+        "--reference", action="store_true", help="print the field reference (Markdown) instead"
+    )
     p_crds.set_defaults(func=cmd_crds)
 
     p_op = sub.add_parser("operator", help="the Kubernetes operator")
@@ -67,18 +68,36 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pod's service account, else from KUBECONFIG or ~/.kube/config.",
     )
     scope = p_run.add_mutually_exclusive_group(required=True)
-    scope.add_argument("-n", "--namespace", action="append", dest="namespaces",
-                       help="namespace to serve (repeatable; globs allowed)")
-    scope.add_argument("-A", "--all-namespaces", action="store_true",
-                       help="serve every namespace")
-    p_run.add_argument("--standalone", action="store_true",
-                       help="run without peering (only safe with a single operator replica)")
-    p_run.add_argument("--peering", default="fleetllm",
-                       help="peering object for leader election (default: %(default)s)")
-    p_run.add_argument("--priority", type=int, default=None,
-                       help="peering priority; the highest live one acts (default: random)")
-    p_run.add_argument("--liveness", default=None, metavar="URL",
-                       help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        help="namespace to serve (repeatable; globs allowed)",
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace")
+    p_run.add_argument(
+        "--standalone",
+        action="store_true",
+        help="run without peering (only safe with a single operator replica)",
+    )
+    p_run.add_argument(
+        "--peering",
+        default="fleetllm",
+        help="peering object for leader election (default: %(default)s)",
+    )
+    p_run.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority; the highest live one acts (default: random)",
+    )
+    p_run.add_argument(
+        "--liveness",
+        default=None,
+        metavar="URL",
+        help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
+    )
     p_run.add_argument("--log-format", choices=["json", "plain"], default="json")
     p_run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p_run.set_defaults(func=cmd_operator_run)
@@ -97,12 +116,19 @@ def _plan_all(path: str) -> list[tuple[LLMDeployment, Plan | PlanError]]:
 def _plan_record(cr: LLMDeployment, result: Plan | PlanError) -> dict[str, Any]:
     record: dict[str, Any] = {"name": cr.metadata.name, "model": cr.spec.model.name}
     if isinstance(result, PlanError):
-        record |= {"planned": False, "reason": result.reason, "message": result.message,
-                   "suggestions": list(result.suggestions)}
+        record |= {
+            "planned": False,
+            "reason": result.reason,
+            "message": result.message,
+            "suggestions": list(result.suggestions),
+        }
     else:
-        record |= {"planned": True, "architecture": result.arch.name,
-                   "plan": result.status.model_dump(by_alias=True),
-                   "command": list(result.command)}
+        record |= {
+            "planned": True,
+            "architecture": result.arch.name,
+            "plan": result.status.model_dump(by_alias=True),
+            "command": list(result.command),
+        }
     return record
 
 
@@ -117,16 +143,28 @@ def _table(cr: LLMDeployment, result: Plan | PlanError) -> str:
     rows = [
         ("model", f"{result.arch.name}, {s.weights} weights, {s.dtype}"),
         ("hardware", f"{where}, backend {s.backend}"),
-        ("device memory", f"{s.device_memory_gib:.2f} GiB, budget {budget:.2f} GiB "
-                          f"({s.gpu_memory_utilization:.0%})"),
+        (
+            "device memory",
+            f"{s.device_memory_gib:.2f} GiB, budget {budget:.2f} GiB "
+            f"({s.gpu_memory_utilization:.0%})",
+        ),
         ("weights", f"{s.weights_gib:.2f} GiB per device"),
         ("overhead", f"{s.overhead_gib:.2f} GiB per device (activations, runtime)"),
-        ("KV cache", f"{s.kv_cache_gib:.2f} GiB per device, {s.kv_cache_dtype}, "
-                     f"{s.kv_bytes_per_token} bytes/token"),
-        ("capacity", f"{s.max_concurrent_tokens:,} tokens = {s.max_concurrent_sequences} "
-                     f"x {s.max_model_len:,}-token sequences"),
-        ("engine", f"max_num_seqs {s.max_num_seqs}, max_num_batched_tokens "
-                   f"{s.max_num_batched_tokens}, block {s.block_size}, {s.num_kv_blocks:,} blocks"),
+        (
+            "KV cache",
+            f"{s.kv_cache_gib:.2f} GiB per device, {s.kv_cache_dtype}, "
+            f"{s.kv_bytes_per_token} bytes/token",
+        ),
+        (
+            "capacity",
+            f"{s.max_concurrent_tokens:,} tokens = {s.max_concurrent_sequences} "
+            f"x {s.max_model_len:,}-token sequences",
+        ),
+        (
+            "engine",
+            f"max_num_seqs {s.max_num_seqs}, max_num_batched_tokens "
+            f"{s.max_num_batched_tokens}, block {s.block_size}, {s.num_kv_blocks:,} blocks",
+        ),
         ("image", s.image),
         ("command", " ".join([*result.command, *s.engine_args])),
     ]
@@ -153,8 +191,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     refused = False
     for cr, result in _plan_all(args.filename):
         if isinstance(result, PlanError):
-            print(f"fleetllm: {args.filename}: {cr.metadata.name}: not rendered, plan refused "
-                  f"({result.reason}): {result.message}", file=sys.stderr)
+            print(
+                f"fleetllm: {args.filename}: {cr.metadata.name}: not rendered, plan refused "
+                f"({result.reason}): {result.message}",
+                file=sys.stderr,
+            )
             refused = True
         else:
             objects.extend(render(cr, result))

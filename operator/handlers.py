@@ -43,8 +43,10 @@ def default_login() -> kopf.ConnectionInfo:
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"cannot read Kubernetes credentials: {exc}") from None
     if info is None:
-        raise ValueError("no Kubernetes credentials: not in a cluster and no kubeconfig found "
-                         "(set KUBECONFIG or run in a pod with a service account)")
+        raise ValueError(
+            "no Kubernetes credentials: not in a cluster and no kubeconfig found "
+            "(set KUBECONFIG or run in a pod with a service account)"
+        )
     return info
 
 
@@ -66,7 +68,7 @@ def _post_event(body: dict[str, Any], type_: str, reason: str, message: str) -> 
 
 
 def _backoff(retry: int) -> float:
-    return min(MAX_BACKOFF_SECONDS, 2.0 ** retry)
+    return min(MAX_BACKOFF_SECONDS, 2.0**retry)
 
 
 async def _reconcile_or_retry(memo: OperatorState, namespace: str, name: str, retry: int) -> None:
@@ -111,10 +113,19 @@ def build_registry() -> kopf.OperatorRegistry:
         resource = RESOURCES[kind]
         group, _, version = resource.api_version.rpartition("/")
 
-        @kopf.on.event(group, version, resource.plural, registry=registry,
-                       id=f"child-{kind.lower()}", labels={LABEL_MANAGED_BY: MANAGER})
+        @kopf.on.event(
+            group,
+            version,
+            resource.plural,
+            registry=registry,
+            id=f"child-{kind.lower()}",
+            labels={LABEL_MANAGED_BY: MANAGER},
+        )
         async def child_changed(
-            body: dict[str, Any], type: str | None, namespace: str, memo: OperatorState,
+            body: dict[str, Any],
+            type: str | None,
+            namespace: str,
+            memo: OperatorState,
             **_: Any,
         ) -> None:
             # type is None for the initial listing: resume handlers cover that case.
@@ -130,9 +141,15 @@ def build_registry() -> kopf.OperatorRegistry:
                     final = retry == CHILD_RETRIES - 1 or (
                         isinstance(exc, ApiError) and not exc.retryable
                     )
-                    logger.warning("reconcile after a child change failed", extra={
-                        "llmdeployment": f"{namespace}/{owner}", "error": str(exc),
-                        "retry": retry, "giving_up": final})
+                    logger.warning(
+                        "reconcile after a child change failed",
+                        extra={
+                            "llmdeployment": f"{namespace}/{owner}",
+                            "error": str(exc),
+                            "retry": retry,
+                            "giving_up": final,
+                        },
+                    )
                     if final:
                         return
                     await asyncio.sleep(_backoff(retry))
@@ -140,8 +157,9 @@ def build_registry() -> kopf.OperatorRegistry:
     return registry
 
 
-def make_settings(*, standalone: bool, peering: str | None = None,
-                  priority: int | None = None) -> kopf.OperatorSettings:
+def make_settings(
+    *, standalone: bool, peering: str | None = None, priority: int | None = None
+) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     # Progress and the last handled spec go into fleetllm.io annotations, never into status,
     # whose schema belongs to the CRD.
@@ -180,8 +198,9 @@ def run(
     log_json: bool,
     verbose: bool,
 ) -> int:
-    kopf.configure(verbose=verbose, log_format=kopf.LogFormat.JSON if log_json
-                   else kopf.LogFormat.FULL)
+    kopf.configure(
+        verbose=verbose, log_format=kopf.LogFormat.JSON if log_json else kopf.LogFormat.FULL
+    )
     default_login()  # fail fast, with a clear message, when there are no credentials at all
     settings = make_settings(standalone=standalone, peering=peering, priority=priority)
     kopf.run(

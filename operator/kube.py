@@ -102,8 +102,9 @@ class KubeClient:
         headers = {"Content-Type": content_type, "Accept": "application/json"}
         for attempt in (1, 2):
             session = await self._connect(renew=attempt == 2)
-            async with session.request(method, self._server + path, params=params, data=data,
-                                       headers=headers) as response:
+            async with session.request(
+                method, self._server + path, params=params, data=data, headers=headers
+            ) as response:
                 if response.status == 401 and attempt == 1:
                     continue
                 text = await response.text()
@@ -126,12 +127,19 @@ class KubeClient:
         meta = obj["metadata"]
         path = RESOURCES[obj["kind"]].path(meta["namespace"], meta["name"])
         return await self.request(
-            "PATCH", path, params={"fieldManager": FIELD_MANAGER, "force": "true"}, body=obj,
+            "PATCH",
+            path,
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            body=obj,
             content_type="application/apply-patch+yaml",
         )
 
     async def patch_status(
-        self, kind: str, namespace: str, name: str, status: dict[str, Any],
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
         resource_version: str | None,
     ) -> dict[str, Any]:
         """Merge-patch the status subresource; with a resourceVersion, fail with 409 if the
@@ -140,7 +148,9 @@ class KubeClient:
         if resource_version is not None:
             body["metadata"] = {"resourceVersion": resource_version}
         return await self.request(
-            "PATCH", RESOURCES[kind].path(namespace, name, "status"), body=body,
+            "PATCH",
+            RESOURCES[kind].path(namespace, name, "status"),
+            body=body,
             content_type="application/merge-patch+json",
         )
 

@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from fleetllm import __version__
 from fleetllm.operator.api import LLMDeploymentSpec, ModelSource, PlanStatus, parse_quantity
 from fleetllm.operator.catalog import (
     BUILTIN_MODELS,
@@ -30,6 +29,7 @@ from fleetllm.operator.catalog import (
     ModelArch,
     find_model,
 )
+from fleetllm.version import __version__
 
 BLOCK_SIZE = 16
 MAX_DEVICES_PER_REPLICA = 8
@@ -175,8 +175,9 @@ def estimate(
     else:
         runtime = RUNTIME_OVERHEAD_CPU
     overhead = runtime + activations + logits
-    per_token = kv_bytes_per_token(arch, tensor=tensor, pipeline=pipeline,
-                                   kv_dtype_bytes=kv_dtype_bytes)
+    per_token = kv_bytes_per_token(
+        arch, tensor=tensor, pipeline=pipeline, kv_dtype_bytes=kv_dtype_bytes
+    )
     free = budget - weights_per_device - overhead
     capacity = (max(0, free) // per_token) // BLOCK_SIZE * BLOCK_SIZE
     return MemoryEstimate(
@@ -289,8 +290,11 @@ def _check_backend(spec: LLMDeploymentSpec, gpu: GPUType) -> None:
         raise PlanError(
             "UnsupportedQuantization", "vLLM has no int8 KV cache; use quantization.kvCache: fp8"
         )
-    uses_fp8 = [part for part, value in (("weights", quant.weights), ("kvCache", quant.kv_cache))
-                if value == "fp8"]
+    uses_fp8 = [
+        part
+        for part, value in (("weights", quant.weights), ("kvCache", quant.kv_cache))
+        if value == "fp8"
+    ]
     if uses_fp8 and not gpu.supports_fp8:
         raise PlanError(
             "UnsupportedQuantization",
@@ -333,7 +337,8 @@ def _check_parallelism(arch: ModelArch, tensor: int, pipeline: int) -> None:
 
 def _valid_tensor_sizes(arch: ModelArch) -> list[int]:
     return [
-        t for t in range(1, MAX_DEVICES_PER_REPLICA + 1)
+        t
+        for t in range(1, MAX_DEVICES_PER_REPLICA + 1)
         if arch.num_heads % t == 0 and (arch.num_kv_heads % t == 0 or t % arch.num_kv_heads == 0)
     ]
 
@@ -364,7 +369,11 @@ def _fits(est: MemoryEstimate, max_model_len: int) -> bool:
 
 
 def _suggestions(
-    spec: LLMDeploymentSpec, arch: ModelArch, gpu: GPUType, dtype: str, max_model_len: int,
+    spec: LLMDeploymentSpec,
+    arch: ModelArch,
+    gpu: GPUType,
+    dtype: str,
+    max_model_len: int,
     current: MemoryEstimate,
 ) -> tuple[str, ...]:
     """The smallest changes that make the replica fit, cheapest first."""
@@ -378,8 +387,15 @@ def _suggestions(
             continue
         if tensor not in _valid_tensor_sizes(arch):
             continue
-        est = estimate(arch, gpu, tensor=tensor, pipeline=pp, dtype=dtype,
-                       weights=quant.weights, kv_cache=quant.kv_cache)
+        est = estimate(
+            arch,
+            gpu,
+            tensor=tensor,
+            pipeline=pp,
+            dtype=dtype,
+            weights=quant.weights,
+            kv_cache=quant.kv_cache,
+        )
         if _fits(est, max_model_len):
             prefix = "" if vllm else "engine.backend: vllm with "
             found.append(f"{prefix}parallelism.tensor: {tensor} ({tensor} x {gpu.name})")
@@ -391,8 +407,15 @@ def _suggestions(
         for weights in options:
             if weights == quant.weights or (quant.weights in ("awq", "gptq")):
                 continue
-            est = estimate(arch, gpu, tensor=tp, pipeline=pp, dtype=dtype, weights=weights,
-                           kv_cache=quant.kv_cache)
+            est = estimate(
+                arch,
+                gpu,
+                tensor=tp,
+                pipeline=pp,
+                dtype=dtype,
+                weights=weights,
+                kv_cache=quant.kv_cache,
+            )
             if _fits(est, max_model_len):
                 prefix = "" if vllm else "engine.backend: vllm with "
                 # fp8 quantizes at load; int8 and awq need a checkpoint quantized that way.
@@ -400,8 +423,15 @@ def _suggestions(
                 found.append(f"{prefix}quantization.weights: {weights}{note}")
                 break
         if gpu.supports_fp8 and quant.kv_cache == "auto" and vllm:
-            est = estimate(arch, gpu, tensor=tp, pipeline=pp, dtype=dtype,
-                           weights=quant.weights, kv_cache="fp8")
+            est = estimate(
+                arch,
+                gpu,
+                tensor=tp,
+                pipeline=pp,
+                dtype=dtype,
+                weights=quant.weights,
+                kv_cache="fp8",
+            )
             if _fits(est, max_model_len):
                 found.append("quantization.kvCache: fp8")
 
@@ -410,8 +440,15 @@ def _suggestions(
             continue
         if (quant.weights == "fp8" or quant.kv_cache == "fp8") and not bigger.supports_fp8:
             continue
-        est = estimate(arch, bigger, tensor=tp, pipeline=pp, dtype=dtype,
-                       weights=quant.weights, kv_cache=quant.kv_cache)
+        est = estimate(
+            arch,
+            bigger,
+            tensor=tp,
+            pipeline=pp,
+            dtype=dtype,
+            weights=quant.weights,
+            kv_cache=quant.kv_cache,
+        )
         if _fits(est, max_model_len):
             found.append(f"gpu.type: {bigger.name}")
             break
@@ -454,8 +491,16 @@ def plan(spec: LLMDeploymentSpec) -> Plan:
     dtype = _resolve_dtype(spec, gpu)
     quant = spec.quantization
     memory = _memory_bytes(spec, gpu)
-    est = estimate(arch, gpu, tensor=tp, pipeline=pp, dtype=dtype, weights=quant.weights,
-                   kv_cache=quant.kv_cache, memory_bytes=memory)
+    est = estimate(
+        arch,
+        gpu,
+        tensor=tp,
+        pipeline=pp,
+        dtype=dtype,
+        weights=quant.weights,
+        kv_cache=quant.kv_cache,
+        memory_bytes=memory,
+    )
     where = f"{tp * pp} x {gpu.name}" if gpu.is_gpu else f"cpu ({_gib(memory)} GiB)"
     if est.kv_budget_bytes <= 0:
         raise PlanError(
@@ -479,8 +524,15 @@ def plan(spec: LLMDeploymentSpec) -> Plan:
     max_num_seqs = _max_num_seqs(est.capacity_tokens, max_model_len, tuning.max_num_seqs)
     batched = max(max_num_seqs, min(tuning.max_num_batched_tokens, est.capacity_tokens))
     kv_dtype = dtype if quant.kv_cache == "auto" else quant.kv_cache
-    command, args = _engine_command(spec, source, dtype=dtype, max_model_len=max_model_len,
-                                    est=est, max_num_seqs=max_num_seqs, batched=batched)
+    command, args = _engine_command(
+        spec,
+        source,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        est=est,
+        max_num_seqs=max_num_seqs,
+        batched=batched,
+    )
     _check_extra_args(spec)
     image = spec.engine.image or _default_image(spec, gpu)
     status = PlanStatus(
@@ -546,35 +598,55 @@ def engine_model_reference(source: ModelSource, backend: str) -> tuple[str, ...]
 
 
 def _engine_command(
-    spec: LLMDeploymentSpec, source: ModelSource, *, dtype: str, max_model_len: int,
-    est: MemoryEstimate, max_num_seqs: int, batched: int,
+    spec: LLMDeploymentSpec,
+    source: ModelSource,
+    *,
+    dtype: str,
+    max_model_len: int,
+    est: MemoryEstimate,
+    max_num_seqs: int,
+    batched: int,
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     common = (
         *engine_model_reference(source, spec.engine.backend),
-        "--host", "0.0.0.0",
-        "--port", str(ENGINE_PORT),
-        "--served-model-name", spec.model.name,
-        "--dtype", dtype,
-        "--max-model-len", str(max_model_len),
-        "--block-size", str(BLOCK_SIZE),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--served-model-name",
+        spec.model.name,
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--block-size",
+        str(BLOCK_SIZE),
     )
     if spec.engine.backend == "builtin":
         # An explicit block count, not a memory fraction: the pool is exactly what was planned
         # and reported, whatever else shares the device or the pod's memory.
         return ("fleetllm", "engine", "serve"), (
             *common,
-            "--num-kv-blocks", str(est.num_kv_blocks),
-            "--max-num-seqs", str(max_num_seqs),
-            "--max-num-batched-tokens", str(batched),
+            "--num-kv-blocks",
+            str(est.num_kv_blocks),
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--max-num-batched-tokens",
+            str(batched),
         )
     quant = spec.quantization
     args = [
         *common,
-        "--gpu-memory-utilization", f"{float(est.tuning.memory_utilization):.2f}",
-        "--max-num-seqs", str(max_num_seqs),
-        "--max-num-batched-tokens", str(batched),
-        "--tensor-parallel-size", str(spec.parallelism.tensor),
-        "--pipeline-parallel-size", str(spec.parallelism.pipeline),
+        "--gpu-memory-utilization",
+        f"{float(est.tuning.memory_utilization):.2f}",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-num-batched-tokens",
+        str(batched),
+        "--tensor-parallel-size",
+        str(spec.parallelism.tensor),
+        "--pipeline-parallel-size",
+        str(spec.parallelism.pipeline),
         "--enable-prefix-caching",
     ]
     if quant.weights != "none":
@@ -616,6 +688,5 @@ def _check_extra_args(spec: LLMDeploymentSpec) -> None:
         if flag in OWNED_FLAGS:
             raise PlanError(
                 "InvalidEngineArgs",
-                f"engine.extraArgs sets {flag}, which the planner owns; use "
-                f"{OWNED_FLAGS[flag]}",
+                f"engine.extraArgs sets {flag}, which the planner owns; use {OWNED_FLAGS[flag]}",
             )

@@ -79,8 +79,9 @@ class Outcome:
 
 
 class Reconciler:
-    def __init__(self, client: KubeClient, emit: EventSink,
-                 clock: Callable[[], str] = utcnow) -> None:
+    def __init__(
+        self, client: KubeClient, emit: EventSink, clock: Callable[[], str] = utcnow
+    ) -> None:
         self.client = client
         self._emit = emit
         self._clock = clock
@@ -100,8 +101,10 @@ class Reconciler:
                         # The object changed under us: start again from what is there now.
                         if not exc.conflict or attempt == CONFLICT_ATTEMPTS:
                             raise
-                        logger.info("conflict, retrying", extra={
-                            "llmdeployment": f"{namespace}/{name}", "attempt": attempt})
+                        logger.info(
+                            "conflict, retrying",
+                            extra={"llmdeployment": f"{namespace}/{name}", "attempt": attempt},
+                        )
                 raise AssertionError("unreachable")
             finally:
                 self.counts[namespace, name] += 1
@@ -156,8 +159,14 @@ class Reconciler:
         self._report(body, namespace, name, result, transitions)
         return result
 
-    def _report(self, body: dict[str, Any], namespace: str, name: str, result: Outcome,
-                transitions: list[Transition]) -> None:
+    def _report(
+        self,
+        body: dict[str, Any],
+        namespace: str,
+        name: str,
+        result: Outcome,
+        transitions: list[Transition],
+    ) -> None:
         ref = {**body, "apiVersion": body.get("apiVersion", API_VERSION), "kind": KIND}
         for change in result.applied:
             verb, kind, child = change.split(" ", 2)
@@ -166,6 +175,12 @@ class Reconciler:
             message = f"{t.type} is {t.status}" + (f": {t.message}" if t.message else "")
             self._emit(ref, "Warning" if t.warning else "Normal", t.reason, message)
         if result.applied or result.status_written:
-            logger.info("reconciled", extra={
-                "llmdeployment": f"{namespace}/{name}", "planned": result.planned,
-                "applied": result.applied, "status_written": result.status_written})
+            logger.info(
+                "reconciled",
+                extra={
+                    "llmdeployment": f"{namespace}/{name}",
+                    "planned": result.planned,
+                    "applied": result.applied,
+                    "status_written": result.status_written,
+                },
+            )

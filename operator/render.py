@@ -153,8 +153,11 @@ def _resources(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
     if plan.gpu.is_gpu:
         # Host memory to stage the weights of this replica's share while loading.
         memory = _gib_quantity(plan.total_weights_bytes + 8 * GIB)
-        requests: dict[str, str] = {"cpu": str(4 * plan.devices), "memory": memory,
-                                    GPU_RESOURCE: str(plan.devices)}
+        requests: dict[str, str] = {
+            "cpu": str(4 * plan.devices),
+            "memory": memory,
+            GPU_RESOURCE: str(plan.devices),
+        }
         limits: dict[str, str] = {"memory": memory, GPU_RESOURCE: str(plan.devices)}
     else:
         memory = _gib_quantity(plan.estimate.memory_bytes)
@@ -209,10 +212,12 @@ def _volumes(cr: LLMDeployment, plan: Plan) -> tuple[list[dict[str, Any]], list[
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
     ]
     if plan.source.scheme == "pvc":
-        volumes.append({
-            "name": "model",
-            "persistentVolumeClaim": {"claimName": plan.source.location, "readOnly": True},
-        })
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": plan.source.location, "readOnly": True},
+            }
+        )
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     if plan.gpu.is_gpu:
         # Multi-GPU engines exchange tensors through shared memory; the default 64Mi is too small.

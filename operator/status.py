@@ -99,11 +99,18 @@ def build_status(
     elif deployment is None:
         conds.append(("Progressing", "True", "Creating", "creating the engine Deployment"))
     elif settled:
-        conds.append(("Progressing", "False", "RolloutComplete",
-                      f"{replicas} replicas run the current spec"))
+        conds.append(
+            ("Progressing", "False", "RolloutComplete", f"{replicas} replicas run the current spec")
+        )
     else:
-        conds.append(("Progressing", "True", "RollingOut",
-                      f"{ready}/{desired} replicas ready, rollout in progress"))
+        conds.append(
+            (
+                "Progressing",
+                "True",
+                "RollingOut",
+                f"{ready}/{desired} replicas ready, rollout in progress",
+            )
+        )
 
     if planned and desired == 0:
         conds.append(("Ready", "False", "ScaledToZero", "no replicas are wanted"))
@@ -117,8 +124,14 @@ def build_status(
     if failure is not None:
         conds.append(("Degraded", "True", "RolloutFailing", failure))
     elif not planned and deployment is not None:
-        conds.append(("Degraded", "True", "PlanRefused",
-                      "serving the last planned spec; the current spec is refused"))
+        conds.append(
+            (
+                "Degraded",
+                "True",
+                "PlanRefused",
+                "serving the last planned spec; the current spec is refused",
+            )
+        )
     else:
         conds.append(("Degraded", "False", "AsExpected", ""))
 
@@ -133,17 +146,22 @@ def build_status(
     for ctype, cstatus, reason, message in conds:
         previous = old.get(ctype)
         unchanged = previous is not None and previous.get("status") == cstatus
-        conditions.append(Condition(
-            type=ctype,  # type: ignore[arg-type]
-            status=cstatus,  # type: ignore[arg-type]
-            reason=reason,
-            message=message,
-            last_transition_time=previous["lastTransitionTime"]
-            if unchanged and previous.get("lastTransitionTime") else now,
-            observed_generation=generation,
-        ))
-        if previous is None or previous.get("status") != cstatus or (
-            previous.get("reason") != reason
+        conditions.append(
+            Condition(
+                type=ctype,  # type: ignore[arg-type]
+                status=cstatus,  # type: ignore[arg-type]
+                reason=reason,
+                message=message,
+                last_transition_time=previous["lastTransitionTime"]
+                if unchanged and previous.get("lastTransitionTime")
+                else now,
+                observed_generation=generation,
+            )
+        )
+        if (
+            previous is None
+            or previous.get("status") != cstatus
+            or (previous.get("reason") != reason)
         ):
             transitions.append(Transition(ctype, cstatus, reason, message))
 

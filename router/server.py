@@ -25,7 +25,6 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-from fleetllm import __version__
 from fleetllm.router.auth import ApiKey, KeyStore, RateLimiter, bearer_token, parse_keys
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import (
@@ -48,6 +47,7 @@ from fleetllm.router.strategies import (
     round_robin,
     stable_hash,
 )
+from fleetllm.version import __version__
 
 log = logging.getLogger("fleetllm.router")
 

@@ -30,3 +30,17 @@ def test_ruff_is_clean() -> None:
         [str(ruff), "check", "--quiet", str(ROOT)], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_repository_root_does_not_shadow_stdlib_operator() -> None:
+    # `python -m` puts the working directory first on sys.path before the standard library's
+    # `operator` is imported; the operator/ folder must not be a package that shadows it.
+    for args in (
+        ["-S", "-c", "import operator; print(operator.__file__)"],
+        ["-m", "fleetllm.cli", "--version"],
+    ):
+        result = subprocess.run(
+            [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 0, result.stderr
+        assert str(ROOT / "operator") not in result.stdout

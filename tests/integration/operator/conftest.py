@@ -67,7 +67,9 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
 
     async def _handle(self, request: rendering.Request) -> Any:
         if request.resource is not None and request.action in (
-            kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE
+            kmock.action.CREATE,
+            kmock.action.UPDATE,
+            kmock.action.DELETE,
         ):
             try:
                 async with self._lock:
@@ -123,8 +125,12 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
             raise kmock.KubernetesError(status=409, reason="AlreadyExists", message="exists")
         if namespace is not None:
             meta["namespace"] = namespace
-        meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_rv(), generation=1,
-                    creationTimestamp=_now())
+        meta.update(
+            uid=str(uuid.uuid4()),
+            resourceVersion=self._next_rv(),
+            generation=1,
+            creationTimestamp=_now(),
+        )
         meta.pop("generateName", None)
         self._validate(resource, obj)
         if key in self._objects:
@@ -213,7 +219,8 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
 
     def _current(self, request: rendering.Request) -> list[dict[str, Any]]:
         return [
-            obj.raw for (resource, _, _), obj in self._objects.items()
+            obj.raw
+            for (resource, _, _), obj in self._objects.items()
             if resource == request.resource and not obj.deleted and self._matches(request, obj.raw)
         ]
 
@@ -230,8 +237,11 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         async with self._lock:
             marker = await bus.mark()
             if since and since != "0":
-                backlog = [event for rv, event in self._log[request.resource]
-                           if rv > int(since) and self._matches(request, event["object"])]
+                backlog = [
+                    event
+                    for rv, event in self._log[request.resource]
+                    if rv > int(since) and self._matches(request, event["object"])
+                ]
             else:
                 backlog = [{"type": "ADDED", "object": obj} for obj in self._current(request)]
         try:
@@ -253,12 +263,19 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
 
     def list(self, resource: str) -> list[dict[str, Any]]:
         wanted = kmock.resource(resource)
-        return [copy.deepcopy(obj.raw) for (res, _, _), obj in self._objects.items()
-                if res == wanted and not obj.deleted]
+        return [
+            copy.deepcopy(obj.raw)
+            for (res, _, _), obj in self._objects.items()
+            if res == wanted and not obj.deleted
+        ]
 
     def writes(self) -> list[rendering.Request]:
-        return [r for r in self if r.method in (kmock.method.POST, kmock.method.PATCH,
-                                                  kmock.method.PUT, kmock.method.DELETE)]
+        return [
+            r
+            for r in self
+            if r.method
+            in (kmock.method.POST, kmock.method.PATCH, kmock.method.PUT, kmock.method.DELETE)
+        ]
 
 
 def _merge(old: Any, patch: Any) -> Any:
@@ -278,7 +295,10 @@ async def api() -> AsyncIterator[EmulatedApiServer]:
     server = EmulatedApiServer()
     server.resources.load_bundled()
     server.resources[CR_RESOURCE] = kmock.ResourceInfo(
-        kind=KIND, singular=KIND.lower(), namespaced=True, shortnames={"llmd"},
+        kind=KIND,
+        singular=KIND.lower(),
+        namespaced=True,
+        shortnames={"llmd"},
         verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
         subresources={"status", "scale"},
     )
@@ -320,15 +340,17 @@ class RunningOperator:
         settings.scanning.disabled = True  # kmock cannot list namespaces or watch CRDs
         settings.watching.reconnect_backoff = 0.05
         try:
-            asyncio.run(kopf.operator(
-                registry=build_registry(),
-                settings=settings,
-                memo=self.state,
-                namespaces=[NAMESPACE],
-                standalone=True,
-                stop_flag=self._stop,
-                ready_flag=self._ready,
-            ))
+            asyncio.run(
+                kopf.operator(
+                    registry=build_registry(),
+                    settings=settings,
+                    memo=self.state,
+                    namespaces=[NAMESPACE],
+                    standalone=True,
+                    stop_flag=self._stop,
+                    ready_flag=self._ready,
+                )
+            )
         except BaseException as exc:
             self.failure = exc
 

@@ -52,8 +52,13 @@ def _children(api: Any, name: str = "smol") -> dict[str, dict[str, Any] | None]:
 
 
 def _events(api: Any, reason: str, text: str) -> list[dict[str, Any]]:
-    return [e for e in api.list("v1/events") if e.get("reason") == reason
-            and text in e.get("message", "") and e["involvedObject"]["kind"] == KIND]
+    return [
+        e
+        for e in api.list("v1/events")
+        if e.get("reason") == reason
+        and text in e.get("message", "")
+        and e["involvedObject"]["kind"] == KIND
+    ]
 
 
 def _arg(deployment: dict[str, Any], flag: str) -> str:
@@ -69,14 +74,18 @@ async def _create(api: Any, body: dict[str, Any]) -> None:
 async def _settled(api: Any, eventually: Any, name: str = "smol") -> dict[str, Any]:
     await eventually(lambda: all(_children(api, name).values()), "all children exist")
     return await eventually(
-        lambda: (cr := api.get(CR, name)) and (cr.get("status") or {}).get(
-            "observedGeneration") == cr["metadata"]["generation"] and cr,
+        lambda: (
+            (cr := api.get(CR, name))
+            and (cr.get("status") or {}).get("observedGeneration") == cr["metadata"]["generation"]
+            and cr
+        ),
         "status observes the current generation",
     )
 
 
-async def test_create_update_recreate_and_restart(api: Any, start_operator: Any,
-                                                  eventually: Any) -> None:
+async def test_create_update_recreate_and_restart(
+    api: Any, start_operator: Any, eventually: Any
+) -> None:
     operator = await start_operator()
     await _create(api, SMOLLM2)
     cr = await _settled(api, eventually)
@@ -104,8 +113,10 @@ async def test_create_update_recreate_and_restart(api: Any, start_operator: Any,
     status = cr["status"]
     assert status["plan"]["maxModelLen"] == 4096
     assert status["plan"]["maxConcurrentTokens"] >= 4096
-    assert status["plan"]["engineArgs"] == deployment["spec"]["template"]["spec"][
-        "containers"][0]["args"]
+    assert (
+        status["plan"]["engineArgs"]
+        == deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
     assert _condition(cr, "Planned")["status"] == "True"
     assert _condition(cr, "Ready")["status"] == "False"
     assert _condition(cr, "Ready")["reason"] == "NoReplicaReady"
@@ -113,11 +124,18 @@ async def test_create_update_recreate_and_restart(api: Any, start_operator: Any,
     assert "app.kubernetes.io/instance=smol" in status["selector"]
 
     # Status follows the Deployment: play the Deployment controller.
-    dep_status = {"observedGeneration": deployment["metadata"]["generation"], "replicas": 2,
-                  "updatedReplicas": 2, "readyReplicas": 2, "availableReplicas": 2}
-    async with api.patch("/apis/apps/v1/namespaces/default/deployments/smol-engine/status",
-                         json={"status": dep_status},
-                         headers={"Content-Type": "application/merge-patch+json"}) as response:
+    dep_status = {
+        "observedGeneration": deployment["metadata"]["generation"],
+        "replicas": 2,
+        "updatedReplicas": 2,
+        "readyReplicas": 2,
+        "availableReplicas": 2,
+    }
+    async with api.patch(
+        "/apis/apps/v1/namespaces/default/deployments/smol-engine/status",
+        json={"status": dep_status},
+        headers={"Content-Type": "application/merge-patch+json"},
+    ) as response:
         assert response.status == 200
     cr = await eventually(
         lambda: (c := api.get(CR, "smol")) and c["status"].get("readyReplicas") == 2 and c,
@@ -131,23 +149,36 @@ async def test_create_update_recreate_and_restart(api: Any, start_operator: Any,
     generation = cr["metadata"]["generation"]
     writes_before = len(api.writes())
     service_rv = api.get(SERVICES, "smol")["metadata"]["resourceVersion"]
-    async with api.patch(f"{CRS}/smol", json={"spec": {"maxModelLen": 2048}},
-                         headers={"Content-Type": "application/merge-patch+json"}) as response:
+    async with api.patch(
+        f"{CRS}/smol",
+        json={"spec": {"maxModelLen": 2048}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    ) as response:
         assert response.status == 200
-    await eventually(lambda: _arg(api.get(DEPLOYMENTS, "smol-engine"), "--max-model-len")
-                     == "2048", "Deployment args follow maxModelLen")
+    await eventually(
+        lambda: _arg(api.get(DEPLOYMENTS, "smol-engine"), "--max-model-len") == "2048",
+        "Deployment args follow maxModelLen",
+    )
     cr = await eventually(
-        lambda: (c := api.get(CR, "smol"))["status"]["observedGeneration"] == generation + 1
-        and c, "observedGeneration advances",
+        lambda: (c := api.get(CR, "smol"))["status"]["observedGeneration"] == generation + 1 and c,
+        "observedGeneration advances",
     )
     assert cr["status"]["plan"]["maxModelLen"] == 2048
-    await eventually(lambda: '"maxModelLen":2048' in api.get(CR, "smol")["metadata"][
-        "annotations"].get("fleetllm.io/last-handled-configuration", ""),
-        "kopf records the handled spec")
+    await eventually(
+        lambda: (
+            '"maxModelLen":2048'
+            in api.get(CR, "smol")["metadata"]["annotations"].get(
+                "fleetllm.io/last-handled-configuration", ""
+            )
+        ),
+        "kopf records the handled spec",
+    )
     assert api.get(SERVICES, "smol")["metadata"]["resourceVersion"] == service_rv
-    child_writes = [(r.resource.plural, r.name) for r in api.writes()[writes_before:]
-                    if r.resource is not None
-                    and r.resource.plural not in ("llmdeployments", "events")]
+    child_writes = [
+        (r.resource.plural, r.name)
+        for r in api.writes()[writes_before:]
+        if r.resource is not None and r.resource.plural not in ("llmdeployments", "events")
+    ]
     assert sorted(child_writes) == [("configmaps", "smol-engine"), ("deployments", "smol-engine")]
 
     # A deleted child is recreated.
@@ -157,8 +188,10 @@ async def test_create_update_recreate_and_restart(api: Any, start_operator: Any,
     assert recreated["metadata"]["ownerReferences"][0]["uid"] == uid
 
     # Events report what was done; the recreation's is posted in the background.
-    await eventually(lambda: len(_events(api, "Created", "Service smol")) == 2,
-                     "an Event for the recreated Service")
+    await eventually(
+        lambda: len(_events(api, "Created", "Service smol")) == 2,
+        "an Event for the recreated Service",
+    )
     assert _events(api, "Updated", "Deployment smol-engine")
     assert _events(api, "Planned", "Planned is True")
 
@@ -166,12 +199,15 @@ async def test_create_update_recreate_and_restart(api: Any, start_operator: Any,
     # Deployment) writes nothing.
     settled_count = operator.reconciles("smol")
     writes_before = len(api.writes())
-    async with api.patch("/apis/apps/v1/namespaces/default/deployments/smol-engine",
-                         json={"metadata": {"annotations": {"other-controller/seen": "yes"}}},
-                         headers={"Content-Type": "application/merge-patch+json"}) as response:
+    async with api.patch(
+        "/apis/apps/v1/namespaces/default/deployments/smol-engine",
+        json={"metadata": {"annotations": {"other-controller/seen": "yes"}}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    ) as response:
         assert response.status == 200
-    await eventually(lambda: operator.reconciles("smol") > settled_count,
-                     "a reconcile after the touch")
+    await eventually(
+        lambda: operator.reconciles("smol") > settled_count, "a reconcile after the touch"
+    )
     new_writes = api.writes()[writes_before:]
     assert [(r.method, r.url.path) for r in new_writes] == [
         ("PATCH", "/apis/apps/v1/namespaces/default/deployments/smol-engine")  # the test's own
@@ -186,8 +222,9 @@ async def test_create_update_recreate_and_restart(api: Any, start_operator: Any,
     assert [(r.method, r.url.path, r.data) for r in api.writes()[writes_before:]] == []
 
 
-async def test_unplannable_gets_planned_false_and_no_children(api: Any, start_operator: Any,
-                                                              eventually: Any) -> None:
+async def test_unplannable_gets_planned_false_and_no_children(
+    api: Any, start_operator: Any, eventually: Any
+) -> None:
     await start_operator()
     body = copy.deepcopy(SMOLLM2)
     body["metadata"]["name"] = "too-big"
@@ -198,8 +235,10 @@ async def test_unplannable_gets_planned_false_and_no_children(api: Any, start_op
         "parallelism": {"tensor": 2},
     }
     await _create(api, body)
-    cr = await eventually(lambda: _condition(api.get(CR, "too-big"), "Planned") and
-                          api.get(CR, "too-big"), "the Planned condition")
+    cr = await eventually(
+        lambda: _condition(api.get(CR, "too-big"), "Planned") and api.get(CR, "too-big"),
+        "the Planned condition",
+    )
     planned = _condition(cr, "Planned")
     assert planned["status"] == "False"
     assert planned["reason"] == "KVCacheTooSmall"
@@ -207,19 +246,29 @@ async def test_unplannable_gets_planned_false_and_no_children(api: Any, start_op
     assert cr["status"]["observedGeneration"] == cr["metadata"]["generation"]
     assert "plan" not in cr["status"]
     assert all(child is None for child in _children(api, "too-big").values())
-    child_writes = [r for r in api.writes() if r.resource is not None
-                    and r.resource.plural not in ("llmdeployments", "events")]
+    child_writes = [
+        r
+        for r in api.writes()
+        if r.resource is not None and r.resource.plural not in ("llmdeployments", "events")
+    ]
     assert child_writes == []
 
     # Fixing the spec plans it and creates the children.
-    async with api.patch(f"{CRS}/too-big", json={"spec": {"parallelism": {"tensor": 4}}},
-                         headers={"Content-Type": "application/merge-patch+json"}) as response:
+    async with api.patch(
+        f"{CRS}/too-big",
+        json={"spec": {"parallelism": {"tensor": 4}}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    ) as response:
         assert response.status == 200
     await eventually(lambda: all(_children(api, "too-big").values()), "children after the fix")
     deployment = api.get(DEPLOYMENTS, "too-big-engine")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert _arg(deployment, "--tensor-parallel-size") == "4"
-    cr = await eventually(lambda: (c := api.get(CR, "too-big")) and
-                          _condition(c, "Planned")["status"] == "True" and c, "Planned=True")
+    cr = await eventually(
+        lambda: (
+            (c := api.get(CR, "too-big")) and _condition(c, "Planned")["status"] == "True" and c
+        ),
+        "Planned=True",
+    )
     assert cr["status"]["plan"]["gpuCount"] == 4

@@ -35,9 +35,12 @@ def test_plan_prints_a_readable_table(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["plan", "-f", str(EXAMPLES / "llama-3.1-8b-h100.yaml")]) == 0
     out = capsys.readouterr().out
     assert out.startswith("llama-8b (model llama-3.1-8b): planned\n")
-    for line in ("hardware       1 x H100-80GB, backend builtin",
-                 "KV cache       56.63 GiB per device, bfloat16, 131072 bytes/token",
-                 "x 131,072-token sequences", "command        fleetllm engine serve --model"):
+    for line in (
+        "hardware       1 x H100-80GB, backend builtin",
+        "KV cache       56.63 GiB per device, bfloat16, 131072 bytes/token",
+        "x 131,072-token sequences",
+        "command        fleetllm engine serve --model",
+    ):
         assert line in out
 
 
@@ -52,8 +55,9 @@ def test_plan_json_and_yaml_carry_the_status_plan(capsys: pytest.CaptureFixture[
     assert yaml.safe_load(capsys.readouterr().out) == [record]
 
 
-def test_plan_reports_a_refusal_and_exits_1(tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_reports_a_refusal_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "big.yaml"
     path.write_text(REFUSED)
     assert main(["plan", "-f", str(path)]) == 1
@@ -69,15 +73,20 @@ def test_plan_reports_a_refusal_and_exits_1(tmp_path: Path,
 def test_render_prints_multi_document_yaml(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["render", "-f", str(EXAMPLES / "smollm2-cpu.yaml")]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Deployment",
-                                         "PodDisruptionBudget"]
+    assert [d["kind"] for d in docs] == [
+        "ConfigMap",
+        "Service",
+        "Deployment",
+        "PodDisruptionBudget",
+    ]
     config = json.loads(docs[0]["data"]["engine.json"])
     assert config["plan"]["maxModelLen"] == 8192
     assert "ownerReferences" not in docs[0]["metadata"]  # no cluster, no owner uid
 
 
-def test_render_refuses_an_unplannable_spec(tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_render_refuses_an_unplannable_spec(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "big.yaml"
     path.write_text(REFUSED)
     assert main(["render", "-f", str(path)]) == 1
@@ -100,19 +109,31 @@ def test_crds_prints_the_checked_in_crd(capsys: pytest.CaptureFixture[str]) -> N
         ("", "no LLMDeployment in the file"),
         ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n", "not an LLMDeployment"),
         ("- a\n- b\n", "expected a mapping"),
-        (REFUSED.replace("tensor: 2", "tensor: two"),
-         "LLMDeployment llama-70b-2gpu: spec.parallelism.tensor: Input should be a valid integer"),
+        (
+            REFUSED.replace("tensor: 2", "tensor: two"),
+            "LLMDeployment llama-70b-2gpu: spec.parallelism.tensor: "
+            "Input should be a valid integer",
+        ),
         (REFUSED.replace("  gpu:\n    type: H100-80GB\n", ""), "spec.gpu: Field required"),
-        (REFUSED.replace("    backend: vllm", "    backend: vllm\n    replica: 2"),
-         "spec.engine.replica: Extra inputs are not permitted"),
-        (REFUSED + "---\n" + REFUSED.replace("name: llama-70b-2gpu", "name: Bad_Name"),
-         "(document 2): LLMDeployment Bad_Name: metadata.name: String should match pattern"),
+        (
+            REFUSED.replace("    backend: vllm", "    backend: vllm\n    replica: 2"),
+            "spec.engine.replica: Extra inputs are not permitted",
+        ),
+        (
+            REFUSED + "---\n" + REFUSED.replace("name: llama-70b-2gpu", "name: Bad_Name"),
+            "(document 2): LLMDeployment Bad_Name: metadata.name: String should match pattern",
+        ),
     ],
     ids=["missing", "yaml", "empty", "kind", "list", "type", "required", "unknown", "second"],
 )
 @pytest.mark.parametrize("command", ["plan", "render"])
-def test_bad_files_give_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                      command: str, content: str | None, message: str) -> None:
+def test_bad_files_give_a_clear_error(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+    content: str | None,
+    message: str,
+) -> None:
     path = tmp_path / "bad.yaml"
     if content is not None:
         path.write_text(content)
@@ -123,8 +144,9 @@ def test_bad_files_give_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "Traceback" not in err
 
 
-def test_operator_run_without_credentials_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_operator_run_without_credentials_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))

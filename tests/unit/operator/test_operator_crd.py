@@ -73,13 +73,15 @@ def _examples() -> list[dict[str, Any]]:
 
 def test_crds_folder_holds_the_current_generated_crd() -> None:
     assert CRD_FILE.read_text() == crd_yaml(), "regenerate: fleetllm crds > " + str(
-        CRD_FILE.relative_to(ROOT))
+        CRD_FILE.relative_to(ROOT)
+    )
 
 
 def test_the_field_reference_is_current() -> None:
     reference = ROOT / "docs" / "crd-reference.md"
     assert reference.read_text() == reference_markdown(), (
-        "regenerate: fleetllm crds --reference > docs/crd-reference.md")
+        "regenerate: fleetllm crds --reference > docs/crd-reference.md"
+    )
     assert "| `spec.scaling.targetKVCacheUsage` | number |" in reference.read_text()
 
 
@@ -91,15 +93,25 @@ def test_the_crd_is_a_valid_custom_resource_definition(version: str) -> None:
 def test_the_crd_has_status_scale_and_printer_columns() -> None:
     version = crd()["spec"]["versions"][0]
     assert version["subresources"]["scale"] == {
-        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
-        "labelSelectorPath": ".status.selector"}
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
     assert "status" in version["subresources"]
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     assert columns[:5] == ["Model", "GPU", "TP", "Ready", "Desired"]
     assert columns[-1] == "Age"
     spec = _schema()["properties"]["spec"]
     assert spec["properties"]["gpu"]["properties"]["type"]["enum"] == [
-        "L4", "A10G", "A100-40GB", "A100-80GB", "H100-80GB", "H200", "RTX4090", "cpu"]
+        "L4",
+        "A10G",
+        "A100-40GB",
+        "A100-80GB",
+        "H100-80GB",
+        "H200",
+        "RTX4090",
+        "cpu",
+    ]
     assert spec["properties"]["engine"]["properties"]["backend"]["enum"] == ["builtin", "vllm"]
     assert "description" in spec["properties"]["maxModelLen"]
 
@@ -110,7 +122,8 @@ def _structural_problems(node: dict[str, Any], path: str = "") -> list[str]:
     if "$ref" in node or "anyOf" in node or "title" in node:
         problems.append(path)
     free = node.get("x-kubernetes-preserve-unknown-fields") or node.get(
-        "x-kubernetes-int-or-string")
+        "x-kubernetes-int-or-string"
+    )
     if "type" not in node and not free:
         problems.append(f"{path}: untyped")
     for key, sub in (node.get("properties") or {}).items():

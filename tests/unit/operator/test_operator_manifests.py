@@ -22,8 +22,14 @@ def _objects() -> list[dict[str, Any]]:
     objects: list[dict[str, Any]] = []
     for entry in kustomization["resources"]:
         path = (BASE / entry).resolve()
-        files = ([path / r for r in yaml.safe_load((path / "kustomization.yaml").read_text())[
-            "resources"]] if path.is_dir() else [path])
+        files = (
+            [
+                path / r
+                for r in yaml.safe_load((path / "kustomization.yaml").read_text())["resources"]
+            ]
+            if path.is_dir()
+            else [path]
+        )
         for file in files:
             objects += [doc for doc in yaml.safe_load_all(file.read_text()) if doc]
     return objects
@@ -35,19 +41,31 @@ def _by_kind(kind: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("version", ["1.30", "1.37"])
 def test_built_in_objects_are_valid(version: str) -> None:
-    builtin = [o for o in _objects() if "." not in o["apiVersion"].split("/")[0]
-               or o["apiVersion"].startswith(("apiextensions.k8s.io", "rbac."))]
+    builtin = [
+        o
+        for o in _objects()
+        if "." not in o["apiVersion"].split("/")[0]
+        or o["apiVersion"].startswith(("apiextensions.k8s.io", "rbac."))
+    ]
     assert {o["kind"] for o in builtin} >= {
-        "CustomResourceDefinition", "Namespace", "ServiceAccount", "ClusterRole",
-        "ClusterRoleBinding", "Deployment"}
+        "CustomResourceDefinition",
+        "Namespace",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+    }
     for obj in builtin:
         kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_the_peering_object_matches_its_crd() -> None:
     (peering,) = _by_kind("ClusterKopfPeering")
-    crd = next(c for c in _by_kind("CustomResourceDefinition")
-               if c["spec"]["names"]["kind"] == "ClusterKopfPeering")
+    crd = next(
+        c
+        for c in _by_kind("CustomResourceDefinition")
+        if c["spec"]["names"]["kind"] == "ClusterKopfPeering"
+    )
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     assert list(OAS30Validator(schema).iter_errors(peering)) == []
 

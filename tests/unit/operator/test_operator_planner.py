@@ -18,8 +18,10 @@ GIB = 2**30
 
 
 def spec(**fields: Any) -> LLMDeploymentSpec:
-    body: dict[str, Any] = {"model": {"name": "m", "source": "hf://meta-llama/Llama-3.1-8B"},
-                            "gpu": {"type": "H100-80GB"}}
+    body: dict[str, Any] = {
+        "model": {"name": "m", "source": "hf://meta-llama/Llama-3.1-8B"},
+        "gpu": {"type": "H100-80GB"},
+    }
     body.update(fields)
     return LLMDeploymentSpec.model_validate(body)
 
@@ -50,13 +52,13 @@ def test_models_are_found_by_whole_name_only() -> None:
 
 
 def test_llama_8b_fp16_on_h100_is_accepted_with_hand_computed_capacity() -> None:
-    memory = 81559 * MIB                              # H100 80GB HBM3 as the driver reports
-    budget = memory * 92 // 100                       # 80 GB class: 92% utilization
-    weights = LLAMA_8B_PARAMS * 2                     # bf16
+    memory = 81559 * MIB  # H100 80GB HBM3 as the driver reports
+    budget = memory * 92 // 100  # 80 GB class: 92% utilization
+    weights = LLAMA_8B_PARAMS * 2  # bf16
     activations = 8192 * (4 * 4096 + 2 * 14336) * 2  # 8192 batched tokens, bf16
-    logits = 512 * 128256 * 4                         # 512 sequences, fp32 logits
+    logits = 512 * 128256 * 4  # 512 sequences, fp32 logits
     runtime = 3 * GIB // 4
-    kv_per_token = 2 * 32 * 8 * 128 * 2               # K and V, layers, KV heads, head dim, bf16
+    kv_per_token = 2 * 32 * 8 * 128 * 2  # K and V, layers, KV heads, head dim, bf16
     capacity = (budget - weights - activations - logits - runtime) // kv_per_token // 16 * 16
 
     result = plan(spec())
@@ -76,7 +78,7 @@ def test_llama_8b_fp16_on_h100_is_accepted_with_hand_computed_capacity() -> None
 
 def test_llama_8b_fp16_on_l4_is_refused_with_a_tensor_parallel_suggestion() -> None:
     memory = 23034 * MIB
-    budget = memory * 90 // 100                       # 24 GB class: 90%
+    budget = memory * 90 // 100  # 24 GB class: 90%
     weights = LLAMA_8B_PARAMS * 2
     activations = 2048 * (4 * 4096 + 2 * 14336) * 2  # 2048 batched tokens
     logits = 256 * 128256 * 4
@@ -93,8 +95,14 @@ def test_llama_8b_fp16_on_l4_is_refused_with_a_tensor_parallel_suggestion() -> N
     fixed = plan(spec(gpu={"type": "L4"}, engine={"backend": "vllm"}, parallelism={"tensor": 2}))
     assert fixed.status.max_concurrent_sequences >= 1
     # With a shorter context, 4-bit AWQ weights on one L4 fit.
-    awq = plan(spec(gpu={"type": "L4"}, engine={"backend": "vllm"}, maxModelLen=32768,
-                    quantization={"weights": "awq"}))
+    awq = plan(
+        spec(
+            gpu={"type": "L4"},
+            engine={"backend": "vllm"},
+            maxModelLen=32768,
+            quantization={"weights": "awq"},
+        )
+    )
     assert awq.status.max_concurrent_sequences >= 1
     assert "--quantization" in awq.status.engine_args
 
@@ -112,12 +120,15 @@ def test_llama_70b_fp16_needs_four_h100s() -> None:
         weights = math.ceil(params * 2 / tensor)
         activations = 8192 * (4 * 8192 + 2 * math.ceil(28672 / tensor)) * 2
         logits = 512 * 128256 * 4
-        runtime = 3 * GIB // 4 + GIB // 4                # plus communication buffers
+        runtime = 3 * GIB // 4 + GIB // 4  # plus communication buffers
         kv_per_token = 2 * 80 * kv_heads_per_gpu[tensor] * 128 * 2
         capacity = (budget - weights - activations - logits - runtime) // kv_per_token // 16 * 16
         assert (capacity >= 131_072) is fits
-        fields = {"model": {"name": "m", "source": "hf://meta-llama/Llama-3.1-70B-Instruct"},
-                  "engine": {"backend": "vllm"}, "parallelism": {"tensor": tensor}}
+        fields = {
+            "model": {"name": "m", "source": "hf://meta-llama/Llama-3.1-70B-Instruct"},
+            "engine": {"backend": "vllm"},
+            "parallelism": {"tensor": tensor},
+        }
         if fits:
             s = plan(spec(**fields)).status
             assert s.max_concurrent_tokens == capacity
@@ -132,8 +143,9 @@ def test_llama_70b_fp16_needs_four_h100s() -> None:
 
 
 def test_llama_70b_on_one_h100_does_not_even_hold_the_weights() -> None:
-    error = refusal(model={"name": "m", "source": "hf://meta-llama/Llama-3.1-70B"},
-                    engine={"backend": "vllm"})
+    error = refusal(
+        model={"name": "m", "source": "hf://meta-llama/Llama-3.1-70B"}, engine={"backend": "vllm"}
+    )
     assert error.reason == "WeightsDoNotFit"
     assert "131.42 GiB per device" in error.message  # 70.55e9 x 2 bytes
 
@@ -149,27 +161,61 @@ def test_tensor_parallelism_must_divide_the_heads() -> None:
     ("fields", "reason", "words"),
     [
         ({"gpu": {"type": "V100"}}, "UnknownGPUType", "'V100' is not in the catalog"),
-        ({"model": {"name": "m", "source": "hf://acme/secret-model"}}, "UnknownModel",
-         "set model.architecture"),
-        ({"model": {"name": "m", "source": "builtin://gpt-2"}}, "UnknownModel",
-         "not a built-in model"),
-        ({"gpu": {"type": "A100-80GB"}, "engine": {"backend": "vllm"},
-          "quantization": {"weights": "fp8"}}, "UnsupportedQuantization",
-         "fp8 needs an Ada or Hopper GPU"),
-        ({"gpu": {"type": "A10G"}, "engine": {"backend": "vllm"},
-          "quantization": {"kvCache": "fp8"}}, "UnsupportedQuantization", "A10G is Ampere"),
-        ({"engine": {"backend": "vllm"}, "quantization": {"kvCache": "int8"}},
-         "UnsupportedQuantization", "no int8 KV cache"),
-        ({"quantization": {"weights": "awq"}}, "UnsupportedQuantization",
-         "builtin engine serves unquantized"),
+        (
+            {"model": {"name": "m", "source": "hf://acme/secret-model"}},
+            "UnknownModel",
+            "set model.architecture",
+        ),
+        (
+            {"model": {"name": "m", "source": "builtin://gpt-2"}},
+            "UnknownModel",
+            "not a built-in model",
+        ),
+        (
+            {
+                "gpu": {"type": "A100-80GB"},
+                "engine": {"backend": "vllm"},
+                "quantization": {"weights": "fp8"},
+            },
+            "UnsupportedQuantization",
+            "fp8 needs an Ada or Hopper GPU",
+        ),
+        (
+            {
+                "gpu": {"type": "A10G"},
+                "engine": {"backend": "vllm"},
+                "quantization": {"kvCache": "fp8"},
+            },
+            "UnsupportedQuantization",
+            "A10G is Ampere",
+        ),
+        (
+            {"engine": {"backend": "vllm"}, "quantization": {"kvCache": "int8"}},
+            "UnsupportedQuantization",
+            "no int8 KV cache",
+        ),
+        (
+            {"quantization": {"weights": "awq"}},
+            "UnsupportedQuantization",
+            "builtin engine serves unquantized",
+        ),
         ({"parallelism": {"tensor": 2}}, "UnsupportedParallelism", "one device"),
-        ({"gpu": {"type": "cpu"}, "engine": {"backend": "vllm"}}, "UnsupportedBackend",
-         "needs a GPU"),
-        ({"engine": {"backend": "vllm"}, "parallelism": {"tensor": 8, "pipeline": 2}},
-         "UnsupportedParallelism", "at most 8"),
+        (
+            {"gpu": {"type": "cpu"}, "engine": {"backend": "vllm"}},
+            "UnsupportedBackend",
+            "needs a GPU",
+        ),
+        (
+            {"engine": {"backend": "vllm"}, "parallelism": {"tensor": 8, "pipeline": 2}},
+            "UnsupportedParallelism",
+            "at most 8",
+        ),
         ({"maxModelLen": 200_000}, "MaxModelLenTooLong", "131072 tokens"),
-        ({"engine": {"extraArgs": ["--max-model-len=4096"]}}, "InvalidEngineArgs",
-         "use maxModelLen"),
+        (
+            {"engine": {"extraArgs": ["--max-model-len=4096"]}},
+            "InvalidEngineArgs",
+            "use maxModelLen",
+        ),
     ],
 )
 def test_refusals_name_the_reason(fields: dict[str, Any], reason: str, words: str) -> None:
@@ -180,8 +226,14 @@ def test_refusals_name_the_reason(fields: dict[str, Any], reason: str, words: st
 
 def test_fp8_is_planned_on_ada_and_hopper() -> None:
     for gpu in ("L4", "H100-80GB"):
-        s = plan(spec(gpu={"type": gpu}, engine={"backend": "vllm"}, maxModelLen=8192,
-                      quantization={"weights": "fp8", "kvCache": "fp8"})).status
+        s = plan(
+            spec(
+                gpu={"type": gpu},
+                engine={"backend": "vllm"},
+                maxModelLen=8192,
+                quantization={"weights": "fp8", "kvCache": "fp8"},
+            )
+        ).status
         assert s.kv_cache_dtype == "fp8"
         assert s.kv_bytes_per_token == 2 * 32 * 8 * 128 * 1
         assert s.engine_args[s.engine_args.index("--quantization") + 1] == "fp8"
@@ -190,8 +242,11 @@ def test_fp8_is_planned_on_ada_and_hopper() -> None:
 
 def test_cpu_replicas_size_the_kv_cache_from_the_pod_memory_limit() -> None:
     small = spec(model={"name": "s", "source": "builtin://smollm2-135m"}, gpu={"type": "cpu"})
-    large = spec(model={"name": "s", "source": "builtin://smollm2-135m"}, gpu={"type": "cpu"},
-                 pod={"resources": {"limits": {"memory": "8Gi"}}})
+    large = spec(
+        model={"name": "s", "source": "builtin://smollm2-135m"},
+        gpu={"type": "cpu"},
+        pod={"resources": {"limits": {"memory": "8Gi"}}},
+    )
     small_plan, large_plan = plan(small), plan(large)
     assert small_plan.status.dtype == "float32"
     assert small_plan.status.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4
@@ -202,22 +257,39 @@ def test_cpu_replicas_size_the_kv_cache_from_the_pod_memory_limit() -> None:
 
 
 def test_inline_config_sizes_a_model_outside_the_catalog() -> None:
-    config = {"numLayers": 32, "hiddenSize": 4096, "numHeads": 32, "numKVHeads": 8,
-              "vocabSize": 128256, "maxPositionEmbeddings": 131072, "intermediateSize": 14336}
+    config = {
+        "numLayers": 32,
+        "hiddenSize": 4096,
+        "numHeads": 32,
+        "numKVHeads": 8,
+        "vocabSize": 128256,
+        "maxPositionEmbeddings": 131072,
+        "intermediateSize": 14336,
+    }
     s = plan(spec(model={"name": "m", "source": "s3://bucket/llama", "config": config})).status
     assert s.weights_gib == plan(spec()).status.weights_gib
     assert s.max_concurrent_tokens == plan(spec()).status.max_concurrent_tokens
 
 
 def test_vllm_arguments() -> None:
-    s = plan(spec(model={"name": "llama", "source": "hf://meta-llama/Llama-3.1-8B@abc123"},
-                  engine={"backend": "vllm"}, maxModelLen=16384)).status
+    s = plan(
+        spec(
+            model={"name": "llama", "source": "hf://meta-llama/Llama-3.1-8B@abc123"},
+            engine={"backend": "vllm"},
+            maxModelLen=16384,
+        )
+    ).status
     args = s.engine_args
-    for flag, value in [("--model", "meta-llama/Llama-3.1-8B"), ("--revision", "abc123"),
-                        ("--served-model-name", "llama"), ("--tensor-parallel-size", "1"),
-                        ("--pipeline-parallel-size", "1"), ("--gpu-memory-utilization", "0.92"),
-                        ("--max-num-seqs", str(s.max_num_seqs)),
-                        ("--max-num-batched-tokens", str(s.max_num_batched_tokens))]:
+    for flag, value in [
+        ("--model", "meta-llama/Llama-3.1-8B"),
+        ("--revision", "abc123"),
+        ("--served-model-name", "llama"),
+        ("--tensor-parallel-size", "1"),
+        ("--pipeline-parallel-size", "1"),
+        ("--gpu-memory-utilization", "0.92"),
+        ("--max-num-seqs", str(s.max_num_seqs)),
+        ("--max-num-batched-tokens", str(s.max_num_batched_tokens)),
+    ]:
         assert args[args.index(flag) + 1] == value, flag
     assert "--enable-prefix-caching" in args
     assert s.max_num_batched_tokens >= s.max_num_seqs
@@ -238,19 +310,30 @@ archs = st.builds(
         intermediate_size=kv * group * head_dim * inter_mult,
         tied_embeddings=tied,
     ),
-    st.integers(1, 96), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]),
-    st.sampled_from([64, 128]), st.integers(2, 5), st.integers(1000, 200_000), st.booleans(),
+    st.integers(1, 96),
+    st.sampled_from([1, 2, 4, 8]),
+    st.sampled_from([1, 2, 4, 8]),
+    st.sampled_from([64, 128]),
+    st.integers(2, 5),
+    st.integers(1000, 200_000),
+    st.booleans(),
 ) | st.sampled_from(list(MODELS.values()))
 gpus = st.sampled_from([g for g in GPU_TYPES.values() if g.is_gpu])
 
 
 @settings(max_examples=300, deadline=None)
-@given(arch=archs, gpu=gpus, tensor=st.sampled_from([1, 2, 4, 8]),
-       weights=st.sampled_from(["none", "int8", "awq"]), kv_cache=st.sampled_from(["auto", "fp8"]),
-       memory=st.integers(1 * GIB, 200 * GIB), extra=st.integers(0, 100 * GIB))
-def test_more_memory_never_lowers_capacity(arch: ModelArch, gpu: GPUType, tensor: int,
-                                           weights: str, kv_cache: str, memory: int,
-                                           extra: int) -> None:
+@given(
+    arch=archs,
+    gpu=gpus,
+    tensor=st.sampled_from([1, 2, 4, 8]),
+    weights=st.sampled_from(["none", "int8", "awq"]),
+    kv_cache=st.sampled_from(["auto", "fp8"]),
+    memory=st.integers(1 * GIB, 200 * GIB),
+    extra=st.integers(0, 100 * GIB),
+)
+def test_more_memory_never_lowers_capacity(
+    arch: ModelArch, gpu: GPUType, tensor: int, weights: str, kv_cache: str, memory: int, extra: int
+) -> None:
     kwargs = {"tensor": tensor, "weights": weights, "kv_cache": kv_cache}
     smaller = estimate(arch, gpu, memory_bytes=memory, **kwargs)
     larger = estimate(arch, gpu, memory_bytes=memory + extra, **kwargs)
@@ -258,17 +341,26 @@ def test_more_memory_never_lowers_capacity(arch: ModelArch, gpu: GPUType, tensor
 
 
 @settings(max_examples=300, deadline=None)
-@given(model=st.sampled_from(list(MODELS.values())), gpu=gpus,
-       tensor=st.sampled_from([1, 2, 4, 8]), weights=st.sampled_from(["none", "int8", "awq"]),
-       kv_cache=st.sampled_from(["auto", "fp8"]), context=st.integers(16, 1 << 17))
+@given(
+    model=st.sampled_from(list(MODELS.values())),
+    gpu=gpus,
+    tensor=st.sampled_from([1, 2, 4, 8]),
+    weights=st.sampled_from(["none", "int8", "awq"]),
+    kv_cache=st.sampled_from(["auto", "fp8"]),
+    context=st.integers(16, 1 << 17),
+)
 def test_refused_for_size_exactly_when_capacity_is_below_one_sequence(
     model: ModelArch, gpu: GPUType, tensor: int, weights: str, kv_cache: str, context: int
 ) -> None:
     context = min(context, model.max_position)
-    body = spec(model={"name": "m", "source": "s3://b/m", "architecture": model.name},
-                gpu={"type": gpu.name}, engine={"backend": "vllm"}, maxModelLen=context,
-                parallelism={"tensor": tensor},
-                quantization={"weights": weights, "kvCache": kv_cache})
+    body = spec(
+        model={"name": "m", "source": "s3://b/m", "architecture": model.name},
+        gpu={"type": gpu.name},
+        engine={"backend": "vllm"},
+        maxModelLen=context,
+        parallelism={"tensor": tensor},
+        quantization={"weights": weights, "kvCache": kv_cache},
+    )
     try:
         result = plan(body)
     except PlanError as exc:

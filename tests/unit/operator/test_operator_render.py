@@ -20,8 +20,12 @@ KUBERNETES_VERSIONS = ("1.30", "1.37")
 
 
 def _owned(cr: LLMDeployment) -> LLMDeployment:
-    meta = cr.metadata.model_copy(update={"uid": "0b7c6f5e-1d2a-4c3b-9e8f-7a6b5c4d3e2f",
-                                          "namespace": cr.metadata.namespace or "default"})
+    meta = cr.metadata.model_copy(
+        update={
+            "uid": "0b7c6f5e-1d2a-4c3b-9e8f-7a6b5c4d3e2f",
+            "namespace": cr.metadata.namespace or "default",
+        }
+    )
     return cr.model_copy(update={"metadata": meta})
 
 
@@ -35,8 +39,10 @@ def test_there_are_examples_of_every_kind_users_start_from() -> None:
     assert any(s.gpu.type == "cpu" and s.model.source.startswith("builtin://") for s in specs)
     assert any(s.gpu.type == "L4" and s.quantization.weights == "awq" for s in specs)
     assert any(s.gpu.type == "H100-80GB" and s.parallelism.tensor == 1 for s in specs)
-    assert any(s.gpu.type == "H100-80GB" and s.parallelism.tensor == 4
-               and s.quantization.kv_cache == "fp8" for s in specs)
+    assert any(
+        s.gpu.type == "H100-80GB" and s.parallelism.tensor == 4 and s.quantization.kv_cache == "fp8"
+        for s in specs
+    )
     assert any(s.engine.backend == "vllm" for s in specs)
 
 
@@ -45,14 +51,17 @@ def test_there_are_examples_of_every_kind_users_start_from() -> None:
 def test_every_rendered_object_is_valid_kubernetes(path: Path, version: str) -> None:
     for _, objects in _rendered(path):
         assert [o["kind"] for o in objects] == [
-            "ConfigMap", "Service", "Deployment", "PodDisruptionBudget"
+            "ConfigMap",
+            "Service",
+            "Deployment",
+            "PodDisruptionBudget",
         ]
         for obj in objects:
             kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_an_invalid_object_fails_the_schema_check() -> None:
-    (_, objects), = _rendered(EXAMPLES[0])
+    ((_, objects),) = _rendered(EXAMPLES[0])
     deployment = next(o for o in objects if o["kind"] == "Deployment")
     deployment["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "http"
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -78,16 +87,27 @@ def test_children_carry_labels_owner_and_router_contract(path: Path) -> None:
             }
             (owner,) = obj["metadata"]["ownerReferences"]
             assert (owner["kind"], owner["name"], owner["controller"]) == (
-                "LLMDeployment", name, True)
+                "LLMDeployment",
+                name,
+                True,
+            )
         by_kind = {o["kind"]: o for o in objects}
         service, deployment = by_kind["Service"], by_kind["Deployment"]
         assert service["spec"]["clusterIP"] == "None"
-        assert service["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http",
-                                             "protocol": "TCP", "appProtocol": "http"}]
+        assert service["spec"]["ports"] == [
+            {
+                "name": "http",
+                "port": 8000,
+                "targetPort": "http",
+                "protocol": "TCP",
+                "appProtocol": "http",
+            }
+        ]
         pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert is_subset(service["spec"]["selector"], pod_labels)
-        assert is_subset(by_kind["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
-                         pod_labels)
+        assert is_subset(
+            by_kind["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"], pod_labels
+        )
         assert deployment["spec"]["replicas"] == cr.spec.desired_replicas()
 
 
@@ -100,8 +120,10 @@ def test_engine_pods_are_hardened_probed_and_drained(path: Path) -> None:
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         assert container["securityContext"] == {
-            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]},
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
         }
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
@@ -114,7 +136,7 @@ def test_engine_pods_are_hardened_probed_and_drained(path: Path) -> None:
 
 
 def _deployment(path: str) -> tuple[LLMDeployment, dict[str, Any]]:
-    (cr, objects), = _rendered(ROOT / "manifests" / "examples" / path)
+    ((cr, objects),) = _rendered(ROOT / "manifests" / "examples" / path)
     return cr, next(o for o in objects if o["kind"] == "Deployment")
 
 
@@ -126,9 +148,14 @@ def test_gpu_pods_request_tensor_x_pipeline_gpus_on_the_right_nodes() -> None:
     assert resources["requests"]["nvidia.com/gpu"] == "4"
     assert pod["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
-        "tolerations"]
-    assert {"key": "dedicated", "operator": "Equal", "value": "inference",
-            "effect": "NoSchedule"} in pod["tolerations"]
+        "tolerations"
+    ]
+    assert {
+        "key": "dedicated",
+        "operator": "Equal",
+        "value": "inference",
+        "effect": "NoSchedule",
+    } in pod["tolerations"]
     assert any(v["name"] == "dshm" and v["emptyDir"]["medium"] == "Memory" for v in pod["volumes"])
     container = pod["containers"][0]
     assert container["image"].startswith("vllm/vllm-openai:")
@@ -163,12 +190,14 @@ def test_pvc_models_are_mounted_read_only() -> None:
 def test_secrets_reach_the_engine_through_env_references() -> None:
     _, deployment = _deployment("llama-3.1-8b-l4-awq.yaml")
     env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "huggingface",
-                                                               "key": "token"}}} in env
+    assert {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "huggingface", "key": "token"}},
+    } in env
 
 
 def test_apply_is_needed_only_when_the_rendering_or_the_live_object_differs() -> None:
-    (_, objects), = _rendered(EXAMPLES[0])
+    ((_, objects),) = _rendered(EXAMPLES[0])
     desired = next(o for o in objects if o["kind"] == "Deployment")
     live: dict[str, Any] = yaml.safe_load(yaml.safe_dump(desired))
     # What an API server adds: defaults, status, bookkeeping.

@@ -8,23 +8,41 @@ from fleetllm.operator.api import parse_llmdeployment
 from fleetllm.operator.planner import plan
 from fleetllm.operator.status import Refusal, build_status
 
-CR = parse_llmdeployment({
-    "apiVersion": "fleetllm.io/v1alpha1",
-    "kind": "LLMDeployment",
-    "metadata": {"name": "smol", "namespace": "ml", "generation": 4},
-    "spec": {"model": {"name": "smollm2-135m", "source": "builtin://smollm2-135m"},
-             "gpu": {"type": "cpu"}, "replicas": 3,
-             "scaling": {"minReplicas": 1, "maxReplicas": 2}},
-})
+CR = parse_llmdeployment(
+    {
+        "apiVersion": "fleetllm.io/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": "smol", "namespace": "ml", "generation": 4},
+        "spec": {
+            "model": {"name": "smollm2-135m", "source": "builtin://smollm2-135m"},
+            "gpu": {"type": "cpu"},
+            "replicas": 3,
+            "scaling": {"minReplicas": 1, "maxReplicas": 2},
+        },
+    }
+)
 PLAN = plan(CR.spec)
 
 
-def _deployment(replicas: int = 2, ready: int = 2, generation: int = 1, observed: int = 1,
-                conditions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {"metadata": {"generation": generation}, "spec": {"replicas": replicas},
-            "status": {"observedGeneration": observed, "replicas": replicas,
-                       "updatedReplicas": replicas, "readyReplicas": ready,
-                       "availableReplicas": ready, "conditions": conditions or []}}
+def _deployment(
+    replicas: int = 2,
+    ready: int = 2,
+    generation: int = 1,
+    observed: int = 1,
+    conditions: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    return {
+        "metadata": {"generation": generation},
+        "spec": {"replicas": replicas},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": replicas,
+            "updatedReplicas": replicas,
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "conditions": conditions or [],
+        },
+    }
 
 
 def _conds(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -34,8 +52,10 @@ def _conds(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
 def test_a_serving_deployment() -> None:
     status, transitions = build_status(CR, "smol", "ml", 4, PLAN, _deployment(), None, "T1")
     assert _conds(status) == {
-        "Planned": ("True", "Planned"), "Progressing": ("False", "RolloutComplete"),
-        "Ready": ("True", "Serving"), "Degraded": ("False", "AsExpected"),
+        "Planned": ("True", "Planned"),
+        "Progressing": ("False", "RolloutComplete"),
+        "Ready": ("True", "Serving"),
+        "Degraded": ("False", "AsExpected"),
         "ScaledToZero": ("False", "ReplicasWanted"),
     }
     # spec.replicas 3 is kept within scaling.maxReplicas 2.
@@ -45,34 +65,50 @@ def test_a_serving_deployment() -> None:
     assert all(c["observedGeneration"] == 4 for c in status["conditions"])
     assert status["endpoint"] == "http://smol.ml.svc:8000"
     assert status["plan"]["maxModelLen"] == 8192
-    assert status["selector"] == ("app.kubernetes.io/component=engine,"
-                                  "app.kubernetes.io/instance=smol,app.kubernetes.io/name=fleetllm")
+    assert status["selector"] == (
+        "app.kubernetes.io/component=engine,"
+        "app.kubernetes.io/instance=smol,app.kubernetes.io/name=fleetllm"
+    )
     assert {t.type for t in transitions} == set(_conds(status))  # all new
 
 
 def test_transition_times_move_only_when_a_status_changes() -> None:
     first, _ = build_status(CR, "smol", "ml", 4, PLAN, _deployment(ready=0), None, "T1")
-    second, transitions = build_status(CR, "smol", "ml", 4, PLAN, _deployment(ready=1), first,
-                                       "T2")
+    second, transitions = build_status(CR, "smol", "ml", 4, PLAN, _deployment(ready=1), first, "T2")
     times = {c["type"]: c["lastTransitionTime"] for c in second["conditions"]}
     assert times["Ready"] == "T2"
     assert times["Planned"] == "T1"
     assert [(t.type, t.status, t.warning) for t in transitions] == [("Ready", "True", False)]
-    third, transitions = build_status(CR, "smol", "ml", 4, PLAN, _deployment(ready=1), second,
-                                      "T3")
+    third, transitions = build_status(CR, "smol", "ml", 4, PLAN, _deployment(ready=1), second, "T3")
     assert third == second
     assert transitions == []
 
 
 def test_a_rollout_in_progress_and_a_failing_one() -> None:
-    rolling, _ = build_status(CR, "smol", "ml", 4, PLAN,
-                              _deployment(ready=1, generation=2, observed=1), None, "T")
+    rolling, _ = build_status(
+        CR, "smol", "ml", 4, PLAN, _deployment(ready=1, generation=2, observed=1), None, "T"
+    )
     assert _conds(rolling)["Progressing"] == ("True", "RollingOut")
     failing, transitions = build_status(
-        CR, "smol", "ml", 4, PLAN,
-        _deployment(ready=0, conditions=[{"type": "Progressing", "status": "False",
-                                          "reason": "ProgressDeadlineExceeded",
-                                          "message": "ReplicaSet has timed out"}]), None, "T")
+        CR,
+        "smol",
+        "ml",
+        4,
+        PLAN,
+        _deployment(
+            ready=0,
+            conditions=[
+                {
+                    "type": "Progressing",
+                    "status": "False",
+                    "reason": "ProgressDeadlineExceeded",
+                    "message": "ReplicaSet has timed out",
+                }
+            ],
+        ),
+        None,
+        "T",
+    )
     assert _conds(failing)["Degraded"] == ("True", "RolloutFailing")
     assert _conds(failing)["Ready"] == ("False", "NoReplicaReady")
     warnings = {t.type for t in transitions if t.warning}
@@ -80,8 +116,7 @@ def test_a_rollout_in_progress_and_a_failing_one() -> None:
 
 
 def test_scaled_to_zero() -> None:
-    cr = CR.model_copy(update={"spec": CR.spec.model_copy(update={
-        "replicas": 0, "scaling": None})})
+    cr = CR.model_copy(update={"spec": CR.spec.model_copy(update={"replicas": 0, "scaling": None})})
     status, _ = build_status(cr, "smol", "ml", 4, plan(cr.spec), _deployment(0, 0), None, "T")
     assert _conds(status)["ScaledToZero"] == ("True", "ScaledToZero")
     assert _conds(status)["Ready"] == ("False", "ScaledToZero")

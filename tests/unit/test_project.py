@@ -26,10 +26,11 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one() -> Non
 
 def test_ruff_is_clean() -> None:
     ruff = Path(sys.executable).with_name("ruff")
-    result = subprocess.run(
-        [str(ruff), "check", "--quiet", str(ROOT)], capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    for args in (["check", "--quiet"], ["format", "--check", "--quiet"]):
+        result = subprocess.run(
+            [str(ruff), *args, str(ROOT)], capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_repository_root_does_not_shadow_stdlib_operator() -> None:

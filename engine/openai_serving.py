@@ -31,17 +31,11 @@ from fleetllm.engine.async_engine import (
 )
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.llm import child_params
-from fleetllm.engine.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    bad_request,
-    error_body,
-    from_value_error,
-)
+from fleetllm.engine.protocol import ChatCompletionRequest, CompletionRequest, from_value_error
 from fleetllm.engine.request import Logprob, RequestOutput
 from fleetllm.engine.sampling_params import SamplingParams
 from fleetllm.engine.tokenizer import Tokenizer
+from fleetllm.errors import APIError, bad_request, error_body
 
 log = logging.getLogger("fleetllm.engine.requests")
 

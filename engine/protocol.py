@@ -7,42 +7,11 @@ with a 400 that names the offending field rather than being coerced into somethi
 
 from __future__ import annotations
 
-from http import HTTPStatus
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-ERROR_TYPES: dict[int, str] = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    413: "RequestEntityTooLargeError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
-
-class APIError(Exception):
-    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.param)
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    kind = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param)
+from fleetllm.errors import APIError, bad_request
 
 
 def from_value_error(exc: ValueError, default_param: str | None = None) -> APIError:

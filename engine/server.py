@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,15 +31,15 @@ from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.engine.openai_serving import OpenAIServing
 from fleetllm.engine.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
-    error_body,
     parse_request,
     parse_tokenize_request,
 )
+from fleetllm.errors import APIError, error_body
+from fleetllm.logs import configure_logging
 from fleetllm.version import __version__
 
 log = logging.getLogger("fleetllm.engine.server")
@@ -314,7 +312,7 @@ def run_server(
     log_level: str = "info",
 ) -> int:
     """Serve until drained by a signal; the exit code (0 after a drain, 1 if loading failed)."""
-    configure_logging(log_level)
+    configure_logging(log_level, include_text=settings.log_requests_text)
     app = create_app(settings, lambda: LLMEngine(config), max_waiting_requests=max_waiting_requests)
     state: ServerState = app.state.server
     engine = state.engine
@@ -369,37 +367,3 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     except ImportError:
         return None
     return uvloop.new_event_loop
-
-
-class JSONFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, and any `extra` fields."""
-
-    # uvicorn adds an ANSI-coloured copy of its messages; not for machines.
-    _standard = frozenset(logging.makeLogRecord({}).__dict__) | {
-        "message",
-        "asctime",
-        "color_message",
-    }
-    converter = time.gmtime
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        for key, value in record.__dict__.items():
-            if key not in self._standard and not key.startswith("_"):
-                entry[key] = value
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str, ensure_ascii=False)
-
-
-def configure_logging(level: str = "info") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JSONFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())

@@ -1,0 +1,76 @@
+"""The one JSON log format, shared by the engine and the router.
+
+Each record is one line of JSON on stderr:
+
+    {"ts": "2026-01-02T03:04:05.678Z", "level": "info", "logger": "fleetllm.engine.server",
+     "msg": "serving", "port": 8000, ...}
+
+`ts` is UTC with milliseconds, `level` is lower case, and every key passed with
+`log.info(..., extra={...})` becomes a top-level field (so `extra` keys must not be names of
+`logging.LogRecord` attributes such as `name`, `msg` or `args`). A failure's traceback is in
+`exc`.
+
+Privacy by default: fields that carry request text (`TEXT_FIELDS`) are dropped unless logging was
+configured with `include_text=True` (the servers' `--log-requests-text`), and fields that carry
+credentials (`SECRET_FIELDS`) are always replaced by "[redacted]".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any, TextIO
+
+TEXT_FIELDS = frozenset({"prompt", "prompts", "messages", "completion", "completions"})
+SECRET_FIELDS = frozenset(
+    {"api_key", "admin_key", "authorization", "password", "secret", "upstream_api_key"}
+)
+REDACTED = "[redacted]"
+
+# Attributes every LogRecord has, and those uvicorn adds (an ANSI-coloured copy of the message):
+# not fields of our own.
+_RECORD_ATTRS = frozenset(logging.makeLogRecord({}).__dict__) | {
+    "message",
+    "asctime",
+    "color_message",
+    "taskName",
+}
+
+
+class JSONFormatter(logging.Formatter):
+    converter = time.gmtime
+
+    def __init__(self, include_text: bool = False) -> None:
+        super().__init__()
+        self.include_text = include_text
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key in _RECORD_ATTRS or key.startswith("_") or key in entry:
+                continue
+            if key in SECRET_FIELDS:
+                entry[key] = REDACTED
+            elif key not in TEXT_FIELDS or self.include_text:
+                entry[key] = value
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str, ensure_ascii=False)
+
+
+def configure_logging(
+    level: str = "info", *, include_text: bool = False, stream: TextIO | None = None
+) -> None:
+    """Send every logger's records through one JSON handler (replacing any others)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JSONFormatter(include_text=include_text))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

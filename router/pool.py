@@ -1,0 +1,302 @@
+"""The replica pool: every model's replicas, their state, and the choice among them.
+
+Discovery publishes the fleet into the pool (`apply_fleet`); a scrape loop per replica feeds
+its health and load; the proxy asks for an order of replicas to try (`order`), waits for one
+while a model has none (`wait_for_replica`), and holds a replica for one attempt through a
+`Lease`, which counts the attempt in flight until it is released and records how it went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from fleetllm.router.config import RouterSettings
+from fleetllm.router.discovery import Discovery, Fleet, ModelRoute, discovery_summary
+from fleetllm.router.holding import HoldQueue
+from fleetllm.router.metrics import RouterMetrics
+from fleetllm.router.replicas import Replica, parse_engine_metrics
+from fleetllm.router.strategies import (
+    HashRing,
+    bounded_prefix,
+    least_load,
+    prefix_text,
+    rendezvous,
+    round_robin,
+    stable_hash,
+)
+
+log = logging.getLogger("fleetllm.router")
+
+
+@dataclass
+class PooledReplica:
+    """A replica in the pool, with its metric series and its scrape task."""
+
+    replica: Replica
+    inflight: Any
+    up: Any
+    scraper: asyncio.Task[None] | None = None
+
+
+class ModelPool:
+    """One model's replicas and routing, rebuilt in place when discovery changes it."""
+
+    def __init__(self, route: ModelRoute, settings: RouterSettings) -> None:
+        self.name = route.name
+        self.replicas: dict[str, PooledReplica] = {}
+        self.hold = HoldQueue(settings.hold_queue_size)
+        self.turn = 0
+        self.last_demand = -math.inf
+        self.removed = False
+        self.ring = HashRing([])
+        self.route = route
+        self.strategy = settings.strategy
+        self.load_factor = settings.load_factor
+        self.session_header = settings.session_header
+        self.configure(route, settings)
+
+    def configure(self, route: ModelRoute, settings: RouterSettings) -> None:
+        self.route = route
+        routing = route.routing
+        self.strategy = routing.strategy if routing else settings.strategy
+        self.load_factor = routing.load_factor if routing else settings.load_factor
+        self.session_header = routing.session_header if routing else settings.session_header
+
+    def rebuild_ring(self) -> None:
+        ids = [url for url, t in self.replicas.items() if not t.replica.draining]
+        if frozenset(ids) != self.ring.ids:
+            self.ring = HashRing(ids)
+
+    def available(self, now: float) -> list[Replica]:
+        return [t.replica for t in self.replicas.values() if t.replica.available(now)]
+
+    def has_available(self) -> bool:
+        now = time.monotonic()
+        return any(t.replica.available(now) for t in self.replicas.values())
+
+
+class Lease:
+    """One attempt's hold on one replica: in flight from `acquire` until `release`."""
+
+    __slots__ = ("_pool", "model", "pooled", "replica")
+
+    def __init__(self, pool: ReplicaPool, model: ModelPool, replica: Replica) -> None:
+        self._pool = pool
+        self.model = model
+        self.replica = replica
+        # None when the replica left the pool between the choice and now.
+        self.pooled = model.replicas.get(replica.url)
+        replica.in_flight += 1
+        if self.pooled is not None:
+            self.pooled.inflight.inc()
+
+    def succeeded(self) -> None:
+        self.replica.record_success()
+
+    def failed(self) -> None:
+        """The replica could not serve: no new requests until its backoff passes."""
+        settings = self._pool.settings
+        self.replica.record_failure(time.monotonic(), settings.backoff_base, settings.backoff_max)
+        if self.pooled is not None:
+            self._pool.refresh_up(self.model, self.pooled)
+
+    def release(self, outcome: str) -> None:
+        """The attempt is over; `outcome` is the replica's HTTP status, or `error`."""
+        metrics = self._pool.metrics
+        metrics.child(metrics.upstream, self.model.name, self.replica.url, outcome).inc()
+        self.replica.in_flight -= 1
+        if self.pooled is not None:
+            self.pooled.inflight.dec()
+
+
+class ReplicaPool:
+    def __init__(
+        self, settings: RouterSettings, metrics: RouterMetrics, discovery: Discovery
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.discovery = discovery
+        self.models: dict[str, ModelPool] = {}
+        self.synced = False
+        self._session: aiohttp.ClientSession | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+        for model in self.models.values():
+            for pooled in model.replicas.values():
+                if pooled.scraper is None:
+                    pooled.scraper = asyncio.create_task(self._scrape_loop(model, pooled))
+
+    async def stop(self) -> None:
+        tasks = list(self._background)
+        for model in self.models.values():
+            tasks += [t.scraper for t in model.replicas.values() if t.scraper is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- the fleet ---------------------------------------------------------------------------
+
+    def apply_fleet(self, fleet: Fleet) -> None:
+        """Adopt what discovery reports: models and replicas come and go; a replica that
+        stays keeps its state (health, load, in-flight count)."""
+        for name in list(self.models):
+            if name not in fleet:
+                model = self.models.pop(name)
+                model.removed = True
+                for url in list(model.replicas):
+                    self._drop_replica(model, url)
+                model.hold.notify()
+        for name, route in fleet.items():
+            model = self.models.get(name)
+            if model is None:
+                model = self.models[name] = ModelPool(route, self.settings)
+            else:
+                model.configure(route, self.settings)
+            wanted = {ref.url: ref for ref in route.replicas}
+            for url in list(model.replicas):
+                if url not in wanted:
+                    self._drop_replica(model, url)
+            for url, ref in wanted.items():
+                pooled = model.replicas.get(url)
+                if pooled is None:
+                    pooled = model.replicas[url] = PooledReplica(
+                        Replica(url, name, ref.draining),
+                        self.metrics.child(self.metrics.inflight, name, url),
+                        self.metrics.child(self.metrics.replica_up, name, url),
+                    )
+                    if self._session is not None:
+                        pooled.scraper = asyncio.create_task(self._scrape_loop(model, pooled))
+                else:
+                    pooled.replica.draining = ref.draining
+                self.refresh_up(model, pooled)
+            model.rebuild_ring()
+            if model.has_available():
+                model.hold.notify()
+        if not self.synced or log.isEnabledFor(logging.DEBUG):
+            log.info("fleet: %s", discovery_summary(fleet))
+        self.synced = True
+
+    def _drop_replica(self, model: ModelPool, url: str) -> None:
+        pooled = model.replicas.pop(url)
+        if pooled.scraper is not None:
+            pooled.scraper.cancel()
+        self.metrics.forget_replica(model.name, url)
+
+    def refresh_up(self, model: ModelPool, pooled: PooledReplica) -> None:
+        up = pooled.replica.available(time.monotonic())
+        pooled.up.set(1 if up else 0)
+        if up and len(model.hold):
+            model.hold.notify()
+
+    async def _scrape_loop(self, model: ModelPool, pooled: PooledReplica) -> None:
+        assert self._session is not None
+        replica = pooled.replica
+        timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout)
+        while True:
+            healthy, gauges = await scrape_replica(self._session, replica.url, timeout)
+            was_up = replica.available(time.monotonic())
+            replica.record_scrape(healthy, gauges)
+            self.refresh_up(model, pooled)
+            if was_up != replica.available(time.monotonic()):
+                log.info(
+                    "replica %s of %s is %s",
+                    replica.url,
+                    replica.model,
+                    "up" if not was_up else "down",
+                )
+            await asyncio.sleep(self.settings.scrape_interval)
+
+    # -- choosing ----------------------------------------------------------------------------
+
+    def order(
+        self, model: ModelPool, payload: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> list[Replica]:
+        """The available replicas, best first by the model's strategy."""
+        available = model.available(time.monotonic())
+        if len(available) <= 1:
+            return available
+        candidates = [r.candidate() for r in available]
+        strategy = model.strategy
+        if strategy == "prefix":
+            key = stable_hash(prefix_text(payload, self.settings.prefix_chars))
+            ordered = bounded_prefix(model.ring, key, candidates, model.load_factor)
+        elif strategy == "round-robin":
+            ordered = round_robin(candidates, model.turn)
+            model.turn += 1
+        elif strategy == "session" and (session := headers.get(model.session_header)):
+            ordered = rendezvous(candidates, session)
+        else:
+            ordered = least_load(candidates, model.turn)
+            model.turn += 1
+        by_url = {r.url: r for r in available}
+        return [by_url[c.id] for c in ordered]
+
+    def acquire(self, model: ModelPool, replica: Replica) -> Lease:
+        return Lease(self, model, replica)
+
+    async def wait_for_replica(self, model: ModelPool, deadline: float) -> None:
+        """Hold until the model has a ready replica (raises HoldRejected), asking its
+        discovery source for capacity meanwhile."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self._signal_demand(model)
+        held = self.metrics.held.labels(model.name)
+        held.inc()
+        try:
+            await model.hold.hold(
+                lambda: model.removed or model.has_available(),
+                min(self.settings.hold_timeout, max(0.0, deadline - start)),
+            )
+        finally:
+            held.dec()
+            self.metrics.queue_time.labels(model.name).observe(loop.time() - start)
+
+    def _signal_demand(self, model: ModelPool) -> None:
+        now = time.monotonic()
+        if now - model.last_demand < self.settings.demand_interval:
+            return
+        model.last_demand = now
+        self.metrics.demand.labels(model.name).inc()
+
+        async def signal() -> None:
+            try:
+                await self.discovery.signal_demand(model.route)
+            except Exception as exc:
+                log.error("demand signal for %s failed: %s", model.name, exc)
+
+        self._spawn(signal())
+
+
+async def scrape_replica(
+    session: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout
+) -> tuple[bool, dict[str, float] | None]:
+    """One look at a replica: whether /health answers 200, and if so its load gauges."""
+    healthy, gauges = False, None
+    try:
+        async with session.get(url + "/health", timeout=timeout) as r:
+            healthy = r.status == 200
+            await r.read()
+        if healthy:
+            async with session.get(url + "/metrics", timeout=timeout) as r:
+                if r.status == 200:
+                    gauges = parse_engine_metrics(await r.text())
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+        pass
+    return healthy, gauges

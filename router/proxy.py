@@ -1,0 +1,412 @@
+"""The proxy: `/v1/completions` and `/v1/chat/completions` relayed to a replica of `model`.
+
+The body is read once and parsed once (for `model` and the prompt prefix); the replica's answer
+is relayed as bytes: a stream is forwarded event by event as it arrives, never re-encoded. A
+request may move to another replica only while nothing has reached the client; after that, a
+broken stream ends with an SSE error event and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from fleetllm.router.access import Access
+from fleetllm.router.auth import ApiKey
+from fleetllm.router.config import RouterSettings
+from fleetllm.router.errors import RouterError, error_body
+from fleetllm.router.holding import HoldRejected
+from fleetllm.router.metrics import RouterMetrics
+from fleetllm.router.pool import Lease, ModelPool, ReplicaPool
+from fleetllm.router.replicas import Replica
+from fleetllm.router.sse import SSE_END, error_event, usage_tokens, usage_tokens_sse
+
+log = logging.getLogger("fleetllm.router")
+
+PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Statuses after which another replica may do better; anything else is the answer.
+RETRY_STATUSES = frozenset({502, 503, 504})
+RETRY_AFTER_SECONDS = 5
+CLIENT_CLOSED = "499"
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while the answer was being relayed."""
+
+
+@dataclass
+class _Failure:
+    """An attempt that may be retried elsewhere; what the client gets if none is left."""
+
+    status: int
+    body: bytes
+    content_type: str
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status, body=self.body, headers={"Content-Type": self.content_type}
+        )
+
+
+class _Context:
+    """One request on its way through the proxy."""
+
+    __slots__ = (
+        "arrival",
+        "attempts",
+        "body",
+        "first_byte",
+        "held",
+        "key",
+        "model",
+        "payload",
+        "replica",
+        "request",
+        "request_id",
+        "routed",
+        "stream_error",
+        "tokens",
+    )
+
+    def __init__(self, request: web.Request, request_id: str, arrival: float) -> None:
+        self.request = request
+        self.request_id = request_id
+        self.arrival = arrival
+        self.model = ""
+        """The model's name once it is known to exist (metric labels never hold others)."""
+        self.body = b""
+        self.payload: dict[str, Any] = {}
+        self.key: ApiKey | None = None
+        self.routed = False
+        self.attempts = 0
+        self.replica: str | None = None
+        self.held = 0.0
+        self.first_byte: float | None = None
+        self.stream_error = False
+        self.tokens = 0
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        pool: ReplicaPool,
+        access: Access,
+        metrics: RouterMetrics,
+        log_requests: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.access = access
+        self.metrics = metrics
+        self.log_requests = log_requests
+        self._session: aiohttp.ClientSession | None = None
+        self._upstream_headers = {"Content-Type": "application/json"}
+        if settings.upstream_api_key:
+            self._upstream_headers["Authorization"] = f"Bearer {settings.upstream_api_key}"
+        # Timeouts past the connect are enforced per phase (first byte, whole request).
+        self._upstream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=settings.connect_timeout
+        )
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "the router is not started"
+        return self._session
+
+    def add_routes(self, app: web.Application) -> None:
+        for path in PROXIED_PATHS:
+            app.router.add_post(path, self.handle)
+
+    # -- one request -------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        ctx = _Context(request, _request_id(request.headers.get("X-Request-Id")), loop.time())
+        try:
+            response = await self._serve(ctx)
+        except RouterError as exc:
+            exc.headers["X-Request-Id"] = ctx.request_id
+            self._finish(ctx, exc.status)
+            raise
+        except asyncio.CancelledError:
+            # The client went away before its answer was complete (nginx's 499).
+            if ctx.routed:
+                self.metrics.child(self.metrics.requests, ctx.model, CLIENT_CLOSED).inc()
+            raise
+        if not response.prepared:
+            response.headers["X-Request-Id"] = ctx.request_id
+        self._finish(ctx, response.status)
+        return response
+
+    async def _serve(self, ctx: _Context) -> web.StreamResponse:
+        request = ctx.request
+        ctx.key = self.access.authenticate(request.headers.get("Authorization"))
+        if (request.content_length or 0) > self.settings.max_body_bytes:
+            raise self._too_large()
+        try:
+            ctx.body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise self._too_large() from None
+        try:
+            payload = json.loads(ctx.body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RouterError(400, f"The body is not valid JSON: {exc}") from None
+        if not isinstance(payload, dict):
+            raise RouterError(400, "The body must be a JSON object.")
+        ctx.payload = payload
+        name = payload.get("model")
+        if not isinstance(name, str) or not name:
+            raise RouterError(400, "`model` is required and must be a string.", "model")
+        model = self.pool.models.get(name)
+        if model is None:
+            raise RouterError(404, f"The model `{name}` does not exist.", "model")
+        ctx.model = name
+        if ctx.key is not None:
+            self.access.admit(ctx.key)
+        ctx.routed = True
+        return await self._route(model, ctx)
+
+    def _too_large(self) -> RouterError:
+        return RouterError(
+            413, f"The body exceeds the limit of {self.settings.max_body_bytes} bytes."
+        )
+
+    def _finish(self, ctx: _Context, status: int) -> None:
+        """Account for an answer: metrics, the key's token budget, the request's log line."""
+        elapsed = asyncio.get_running_loop().time() - ctx.arrival
+        m = self.metrics
+        m.child(m.requests, ctx.model, str(status)).inc()
+        if ctx.model:
+            m.child(m.duration, ctx.model).observe(elapsed)
+            if ctx.routed and ctx.first_byte is None:
+                m.child(m.first_byte, ctx.model).observe(elapsed)
+        if ctx.key is not None and ctx.tokens:
+            self.access.charge_tokens(ctx.key, ctx.tokens)
+        if self.log_requests and log.isEnabledFor(logging.INFO):
+            fields: dict[str, Any] = {
+                "id": ctx.request_id,
+                "model": ctx.model or None,
+                "status": status,
+                "duration_s": round(elapsed, 4),
+            }
+            if ctx.routed:
+                fields.update(
+                    replica=ctx.replica,
+                    attempts=ctx.attempts,
+                    held_s=round(ctx.held, 4),
+                    stream_error=ctx.stream_error,
+                    key=ctx.key.name if ctx.key else None,
+                )
+            log.info("request", extra={"fields": fields})
+
+    # -- replicas ----------------------------------------------------------------------------
+
+    async def _route(self, model: ModelPool, ctx: _Context) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        settings = self.settings
+        deadline = ctx.arrival + settings.request_timeout
+        retry_until = ctx.arrival + settings.retry_window
+        tried: set[str] = set()
+        failure: _Failure | None = None
+        # The strategy orders the replicas once; failover walks that order, and only asks
+        # again once it is used up (so round robin does not skip a turn per retry).
+        plan: list[Replica] = []
+        while True:
+            now = time.monotonic()
+            plan = [r for r in plan if r.url not in tried and r.available(now)]
+            if plan:
+                replica = plan.pop(0)
+            elif ordered := self.pool.order(model, ctx.payload, ctx.request.headers):
+                plan = [r for r in ordered if r.url not in tried] or ordered
+                replica = plan.pop(0)
+            else:
+                held_from = loop.time()
+                try:
+                    await self.pool.wait_for_replica(model, deadline)
+                except HoldRejected as exc:
+                    ctx.held += loop.time() - held_from
+                    if failure is not None and exc.reason == "timeout":
+                        return failure.response()
+                    why = "is full" if exc.reason == "full" else "timed out"
+                    raise RouterError(
+                        503,
+                        f"No replica of `{model.name}` is ready and the wait for one {why}.",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+                    ) from None
+                ctx.held += loop.time() - held_from
+                if model.removed:
+                    raise RouterError(404, f"The model `{model.name}` does not exist.", "model")
+                continue
+            if ctx.attempts:
+                self.metrics.child(self.metrics.retries, model.name).inc()
+            ctx.attempts += 1
+            tried.add(replica.url)
+            ctx.replica = replica.url
+            result = await self._attempt(self.pool.acquire(model, replica), ctx, deadline)
+            if not isinstance(result, _Failure):
+                return result
+            failure = result
+            now = loop.time()
+            if ctx.attempts >= settings.max_attempts or now >= min(retry_until, deadline):
+                return failure.response()
+
+    async def _attempt(
+        self, lease: Lease, ctx: _Context, deadline: float
+    ) -> web.StreamResponse | _Failure:
+        """One try on one replica. A _Failure means nothing reached the client."""
+        loop = asyncio.get_running_loop()
+        stream = ctx.payload.get("stream") is True
+        headers = {**self._upstream_headers, "X-Request-Id": ctx.request_id}
+        upstream: aiohttp.ClientResponse | None = None
+        outcome = "error"
+        try:
+            first_deadline = deadline
+            if stream:
+                first_deadline = min(deadline, loop.time() + self.settings.first_byte_timeout)
+            try:
+                async with asyncio.timeout_at(first_deadline):
+                    upstream = await self.session.post(
+                        lease.replica.url + ctx.request.path,
+                        data=ctx.body,
+                        headers=headers,
+                        timeout=self._upstream_timeout,
+                    )
+                    outcome = str(upstream.status)
+                    content_type = upstream.headers.get("Content-Type", "application/json")
+                    if upstream.status in RETRY_STATUSES:
+                        detail = await upstream.read()
+                        lease.failed()
+                        return _Failure(upstream.status, detail, content_type)
+                    if not content_type.startswith("text/event-stream"):
+                        data = await upstream.read()
+                        if upstream.status >= 500:
+                            lease.failed()
+                        else:
+                            lease.succeeded()
+                        if ctx.key is not None and ctx.key.tokens_per_minute is not None:
+                            ctx.tokens = usage_tokens(data) or len(ctx.body) // 4
+                        return web.Response(
+                            status=upstream.status,
+                            body=data,
+                            headers={"Content-Type": content_type},
+                        )
+                    first = await upstream.content.readany()
+                    if not first:
+                        raise aiohttp.ServerDisconnectedError("the stream ended before its start")
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                outcome = "error"
+                lease.failed()
+                timed_out = isinstance(exc, TimeoutError)
+                status = 504 if timed_out else 502
+                what = "did not answer in time" if timed_out else f"failed: {_describe(exc)}"
+                return _Failure(
+                    status, error_body(status, f"The replica {what}."), "application/json"
+                )
+            return await self._relay(lease, ctx, upstream, first, deadline)
+        finally:
+            lease.release(outcome)
+            if upstream is not None:
+                # A fully read answer returns its connection to the pool; anything else drops
+                # it, which is how the replica learns that the request was abandoned.
+                if upstream.content.at_eof():
+                    upstream.release()
+                else:
+                    upstream.close()
+
+    async def _relay(
+        self,
+        lease: Lease,
+        ctx: _Context,
+        upstream: aiohttp.ClientResponse,
+        first: bytes,
+        deadline: float,
+    ) -> web.StreamResponse:
+        """Forward a stream event by event: only whole events go out, so that an error event
+        after a broken upstream is never glued to half of another."""
+        loop = asyncio.get_running_loop()
+        out = web.StreamResponse(
+            status=upstream.status,
+            headers={
+                "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache",
+                "X-Request-Id": ctx.request_id,
+            },
+        )
+        try:
+            await out.prepare(ctx.request)
+        except ConnectionResetError:
+            return out
+        ctx.first_byte = loop.time()
+        self.metrics.child(self.metrics.first_byte, lease.model.name).observe(
+            ctx.first_byte - ctx.arrival
+        )
+        count_tokens = ctx.key is not None and ctx.key.tokens_per_minute is not None
+        events = 0
+        tail = b""
+        pending = first
+        try:
+            async with asyncio.timeout_at(deadline):
+                while True:
+                    cut = pending.rfind(SSE_END)
+                    if cut >= 0:
+                        block = pending[: cut + 2]
+                        if count_tokens:
+                            events += block.count(b"data: ")
+                            tail = (tail + block)[-8192:]
+                        await _write(out, block)
+                        pending = pending[cut + 2 :]
+                    chunk = await upstream.content.readany()
+                    if not chunk:
+                        break
+                    pending = pending + chunk if pending else chunk
+            if pending:
+                await _write(out, pending)
+            lease.succeeded()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            lease.failed()
+            ctx.stream_error = True
+            message = (
+                "The replica did not finish in time."
+                if isinstance(exc, TimeoutError)
+                else f"The replica failed mid-stream: {_describe(exc)}"
+            )
+            with contextlib.suppress(_ClientGone):
+                await _write(out, error_event(message))
+        except _ClientGone:
+            return out
+        if count_tokens:
+            ctx.tokens = usage_tokens_sse(tail) or len(ctx.body) // 4 + events
+        with contextlib.suppress(ConnectionResetError):
+            await out.write_eof()
+        return out
+
+
+async def _write(out: web.StreamResponse, data: bytes) -> None:
+    try:
+        await out.write(data)
+    except ConnectionResetError:
+        raise _ClientGone from None
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _request_id(given: str | None) -> str:
+    if given and len(given) <= 128 and given.isprintable():
+        return given
+    return uuid.uuid4().hex

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import logging
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
+from fleetllm.logs import configure_logging
 from fleetllm.router.config import STRATEGIES, RouterSettings
 
 ADMIN_KEY_ENV = "FLEETLLM_ROUTER_ADMIN_KEY"
@@ -150,22 +148,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_serve)
 
 
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, Any] = {
-            "ts": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
-                timespec="milliseconds"
-            ),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        doc.update(getattr(record, "fields", None) or {})
-        if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
-
-
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     return RouterSettings(
         host=args.host,
@@ -194,9 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
     from fleetllm.router.kube import KubeClient, default_namespace, login_from_environment
     from fleetllm.router.server import Router
 
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler], force=True)
+    configure_logging(args.log_level)
 
     settings = settings_from_args(args)
     for flag in ("rate_limit_rpm", "rate_limit_tpm"):
@@ -268,7 +248,7 @@ async def serve(router: Any, host: str, port: int, shutdown_timeout: float = 30.
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
     logging.getLogger("fleetllm.router").info(
-        "router listening", extra={"fields": {"host": host, "port": port}}
+        "router listening", extra={"host": host, "port": port}
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -20,10 +20,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from fleetllm.errors import error_json
 from fleetllm.router.access import Access
 from fleetllm.router.auth import ApiKey
 from fleetllm.router.config import RouterSettings
-from fleetllm.router.errors import RouterError, error_body
+from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldRejected
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.pool import Lease, ModelPool, ReplicaPool
@@ -210,7 +211,7 @@ class Proxy:
                     stream_error=ctx.stream_error,
                     key=ctx.key.name if ctx.key else None,
                 )
-            log.info("request", extra={"fields": fields})
+            log.info("request", extra=fields)
 
     # -- replicas ----------------------------------------------------------------------------
 
@@ -313,7 +314,7 @@ class Proxy:
                 status = 504 if timed_out else 502
                 what = "did not answer in time" if timed_out else f"failed: {_describe(exc)}"
                 return _Failure(
-                    status, error_body(status, f"The replica {what}."), "application/json"
+                    status, error_json(status, f"The replica {what}."), "application/json"
                 )
             return await self._relay(lease, ctx, upstream, first, deadline)
         finally:

@@ -17,11 +17,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from fleetllm.errors import APIError
 from fleetllm.router.access import Access, KeysLoader
 from fleetllm.router.admin import AdminApi
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import Discovery, Fleet
-from fleetllm.router.errors import RouterError
+from fleetllm.router.errors import RouterError, error_response
 from fleetllm.router.metrics import CONTENT_TYPE, RouterMetrics
 from fleetllm.router.pool import ModelPool, ReplicaPool
 from fleetllm.router.proxy import Proxy
@@ -167,5 +168,5 @@ async def _errors_middleware(request: web.Request, handler: Any) -> web.StreamRe
     """The one place where errors become answers."""
     try:
         return await handler(request)
-    except RouterError as exc:
-        return exc.response()
+    except APIError as exc:
+        return error_response(exc)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fleetllm.router.errors import error_type
+from fleetllm.errors import error_json
 
 SSE_END = b"\n\n"
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -14,8 +14,7 @@ DONE_EVENT = b"data: [DONE]\n\n"
 
 def error_event(message: str, status: int = 502) -> bytes:
     """The end of a stream that broke after it had started: an error event, then [DONE]."""
-    error = {"message": message, "type": error_type(status), "param": None, "code": status}
-    return b"data: " + json.dumps({"error": error}).encode() + SSE_END + DONE_EVENT
+    return b"data: " + error_json(status, message) + SSE_END + DONE_EVENT
 
 
 def usage_tokens(data: bytes) -> int:

@@ -1,0 +1,400 @@
+"""The autoscaling control law: engine samples over time -> desired replicas and a reason.
+
+Pure: no I/O and no clock of its own. Whoever runs it (the operator's timer, the local
+fleet's supervisor, the simulator in benchmarks/) scrapes the replicas, hands one
+`Observation` per step to `Autoscaler.decide`, and applies the `Decision`. An `Autoscaler`
+keeps the history the law needs (the previous queue-time histograms, the recent
+recommendations, how long the fleet has been idle) for one LLMDeployment.
+
+The law, per step:
+- Need, in replicas, from the ready replicas' fresh samples: KV-cache usage over its target
+  (`sum(kv) / targetKVCacheUsage`); sequences running and waiting over the sequence slots at
+  the same target utilisation (when the replica capacity is known); and, when requests wait
+  now and no added replica is still starting, the windowed p90 queue time over its target
+  (`ready * p90 / targetQueueTimeSeconds`, at most the scale-up factor).
+- Scale up at once when need exceeds the current count by more than the tolerance, by at most
+  `max_scale_up_factor` a step; in panic (queue time far above target, or a need of
+  `panic_factor` x the ready replicas) go straight to the need and never scale down.
+- Scale down only to the highest recommendation of the last `scaleDownDelaySeconds`, and only
+  once every recommendation in that span was lower than the current count.
+- Scale to zero after `scaleToZeroAfterSeconds` of observed idleness (every ready replica
+  read, nothing running, waiting or finished) and as long since the router last asked for
+  capacity; from zero, one replica on the router's demand.
+- A ready replica without a fresh, complete sample is never read as idle: it blocks every
+  scale-down and the idle clock. Replicas not ready yet count as fully loaded for scaling down
+  and as absent for scaling up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fleetllm.operator.api import ScalingSpec
+from fleetllm.scrape import EngineSample, Histogram
+
+Change = Literal["none", "up", "down", "to-zero", "from-zero", "bounds"]
+
+
+@dataclass(frozen=True)
+class LawSettings:
+    """Constants of the law that are the same for every LLMDeployment (the CRD holds the
+    per-model targets and delays)."""
+
+    tolerance: float = 0.1
+    """No change while need is within this fraction of the current count (as the HPA)."""
+    max_scale_up_factor: float = 2.0
+    """Outside panic a step at most multiplies the count by this (and adds at least one)."""
+    panic_factor: float = 2.0
+    """Panic when p90 queue time reaches this x its target, or need this x the ready count."""
+    queue_window_seconds: float = 60.0
+    """The span the queue-time p90 is taken over."""
+    min_queue_requests: int = 10
+    """Fewer requests than this in the window make no p90 (one slow request is not a trend)."""
+    stale_after_seconds: float = 30.0
+    """A sample older than this is missing."""
+
+    def __post_init__(self) -> None:
+        if not (
+            0 <= self.tolerance < 1
+            and self.max_scale_up_factor > 1
+            and self.panic_factor > 1
+            and self.queue_window_seconds > 0
+            and self.min_queue_requests >= 1
+            and self.stale_after_seconds > 0
+        ):
+            raise ValueError(f"invalid autoscaler settings: {self}")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one step sees."""
+
+    time: float
+    """Seconds on the caller's clock (the one the samples' `time` is on)."""
+    replicas: int
+    """Replicas wanted now (spec.replicas)."""
+    ready_replicas: int
+    samples: Mapping[str, EngineSample | None]
+    """One entry per ready replica, keyed by a stable id (pod name, URL); None: unreadable."""
+    replica_capacity: int | None = None
+    """Sequences one replica runs at once (the plan's maxNumSeqs); None: unknown."""
+    demand_time: float | None = None
+    """When the router last asked for capacity for requests it holds; None: never."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """The signals one step computed, for the reason, status and logs."""
+
+    ready: int
+    sampled: int
+    kv_cache_usage: float | None
+    """Mean over the sampled replicas."""
+    running: float
+    waiting: float
+    queue_time_p90: float | None
+    need: float
+    """Replicas the load needs (fractional)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    change: Change
+    reason: str
+    panic: bool
+    load: Load
+
+
+def histogram_delta(current: Histogram, previous: Histogram | None) -> Histogram | None:
+    """Observations between two scrapes of one replica; a counter that went down means the
+    process restarted, so everything it holds now is new. None for a first sight (its counts
+    span an unknown past)."""
+    if previous is None:
+        return None
+    if current.count < previous.count or any(
+        current.count_at(le) < count for le, count in previous.buckets
+    ):
+        return current
+    return Histogram(
+        tuple((le, count - previous.count_at(le)) for le, count in current.buckets),
+        count=current.count - previous.count,
+        sum=current.sum - previous.sum,
+    )
+
+
+def merge_histograms(histograms: list[Histogram]) -> Histogram | None:
+    """The sum of several histograms, over the union of their bucket bounds."""
+    if not histograms:
+        return None
+    bounds = sorted({le for h in histograms for le, _ in h.buckets})
+    return Histogram(
+        tuple((le, sum(h.count_at(le) for h in histograms)) for le in bounds),
+        count=sum(h.count for h in histograms),
+        sum=sum(h.sum for h in histograms),
+    )
+
+
+def histogram_quantile(q: float, histogram: Histogram) -> float | None:
+    """Prometheus' histogram_quantile: linear within the bucket the rank falls in; in the
+    +Inf bucket, the largest finite bound. None without observations."""
+    total = histogram.buckets[-1][1] if histogram.buckets else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for le, count in histogram.buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return lower_bound
+            if count == lower_count:
+                return le
+            return lower_bound + (le - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = le, count
+    return lower_bound
+
+
+@dataclass(frozen=True)
+class _Step:
+    replicas: int
+    change: Change
+    reason: str
+
+
+@dataclass
+class _QueueWindow:
+    """Per-step queue-time histogram deltas of the whole fleet, over a time window."""
+
+    steps: deque[tuple[float, Histogram]] = field(default_factory=deque)
+
+    def add(self, time: float, delta: Histogram | None, window: float) -> None:
+        if delta is not None:
+            self.steps.append((time, delta))
+        while self.steps and self.steps[0][0] <= time - window:
+            self.steps.popleft()
+
+    def p90(self, since: float, min_requests: int) -> float | None:
+        recent = [h for t, h in self.steps if t > since]
+        merged = merge_histograms(recent)
+        if merged is None or merged.count < min_requests:
+            return None
+        return histogram_quantile(0.9, merged)
+
+
+class Autoscaler:
+    """The law with its history, for one LLMDeployment. Call `decide` once per step with
+    time moving forward; a fresh Autoscaler (after a restart or leader change) knows no
+    history, so it scales down or to zero only after a full delay of its own observations."""
+
+    def __init__(self, settings: LawSettings | None = None) -> None:
+        self.settings = settings or LawSettings()
+        self._histograms: dict[str, tuple[float, Histogram]] = {}
+        self._queue = _QueueWindow()
+        self._recommendations: deque[tuple[float, int]] = deque()
+        self._first_time: float | None = None
+        self._panic_until = -math.inf
+        self._idle_since: float | None = None
+        self._ready_count = -1
+        self._ready_changed = -math.inf
+        self._zeroed_at: float | None = None
+
+    # -- the signals -----------------------------------------------------------------------
+
+    def _fresh(self, obs: Observation) -> dict[str, EngineSample]:
+        limit = self.settings.stale_after_seconds
+        return {
+            key: s
+            for key, s in obs.samples.items()
+            if s is not None and s.complete and obs.time - s.time <= limit
+        }
+
+    def _observe_queue(self, obs: Observation, fresh: Mapping[str, EngineSample]) -> float:
+        """Fold this step's histogram deltas into the window; the requests that finished
+        since the last step (-1 when some replica's count is unknown)."""
+        deltas: list[Histogram] = []
+        known = True
+        for key, sample in fresh.items():
+            hist = sample.queue_time
+            previous = self._histograms.get(key)
+            if hist is None or (previous is not None and sample.time <= previous[0]):
+                known = False  # no histogram, or the same scrape again: nothing new known
+                continue
+            delta = histogram_delta(hist, None if previous is None else previous[1])
+            self._histograms[key] = (sample.time, hist)
+            if delta is None:
+                known = False
+            else:
+                deltas.append(delta)
+        for key in list(self._histograms):
+            if key not in obs.samples:
+                del self._histograms[key]  # the replica is gone
+        merged = merge_histograms(deltas)
+        self._queue.add(obs.time, merged, self.settings.queue_window_seconds)
+        if not known:
+            return -1.0
+        return merged.count if merged is not None else 0.0
+
+    def _load(self, spec: ScalingSpec, obs: Observation, fresh: Mapping[str, EngineSample]) -> Load:
+        ready = max(obs.ready_replicas, len(obs.samples))
+        if ready != self._ready_count:
+            self._ready_count, self._ready_changed = ready, obs.time
+        kv = [s.kv_cache_usage or 0.0 for s in fresh.values()]
+        running = sum(s.running or 0.0 for s in fresh.values())
+        waiting = sum(s.waiting or 0.0 for s in fresh.values())
+        # Queue times from before the ready count last changed describe another fleet size.
+        p90 = self._queue.p90(self._ready_changed, self.settings.min_queue_requests)
+
+        need = sum(kv) / spec.target_kv_cache_usage
+        if obs.replica_capacity:
+            slots = obs.replica_capacity * spec.target_kv_cache_usage
+            need = max(need, (running + waiting) / slots)
+        if (
+            p90 is not None
+            and p90 > spec.target_queue_time_seconds
+            and waiting > 0
+            and obs.replicas <= ready
+        ):
+            ratio = min(p90 / spec.target_queue_time_seconds, self.settings.max_scale_up_factor)
+            need = max(need, ready * ratio)
+        return Load(
+            ready=ready,
+            sampled=len(fresh),
+            kv_cache_usage=sum(kv) / len(kv) if kv else None,
+            running=running,
+            waiting=waiting,
+            queue_time_p90=p90,
+            need=need,
+        )
+
+    # -- the decision ----------------------------------------------------------------------
+
+    def decide(self, spec: ScalingSpec, obs: Observation) -> Decision:
+        s = self.settings
+        if self._first_time is None:
+            self._first_time = obs.time
+        fresh = self._fresh(obs)
+        finished = self._observe_queue(obs, fresh)
+        load = self._load(spec, obs, fresh)
+        current = obs.replicas
+        missing = load.ready - load.sampled
+
+        p90, target_q = load.queue_time_p90, spec.target_queue_time_seconds
+        queue_panic = p90 is not None and p90 >= s.panic_factor * target_q and load.waiting > 0
+        need_panic = load.ready > 0 and load.need >= s.panic_factor * load.ready
+        if queue_panic or need_panic:
+            self._panic_until = obs.time + s.queue_window_seconds
+        panic = obs.time < self._panic_until
+
+        idle = (
+            current > 0
+            and load.ready >= current
+            and missing == 0
+            and load.running == 0
+            and load.waiting == 0
+            and finished == 0
+        )
+        if not idle:
+            self._idle_since = None
+        elif self._idle_since is None:
+            self._idle_since = obs.time
+
+        decision = self._bounds(spec, obs)
+        if decision is None:
+            decision = self._scale(spec, obs, load, missing, panic)
+        if decision.change == "to-zero":
+            self._zeroed_at = obs.time
+        return Decision(decision.replicas, decision.change, decision.reason, panic, load)
+
+    def _bounds(self, spec: ScalingSpec, obs: Observation) -> _Step | None:
+        """Zero, and counts outside minReplicas..maxReplicas: no load to weigh."""
+        current, lo, hi = obs.replicas, spec.min_replicas, spec.max_replicas
+        if current == 0:
+            demanded = obs.demand_time is not None and (
+                self._zeroed_at is None or obs.demand_time >= self._zeroed_at
+            )
+            if demanded:
+                return _Step(max(lo, 1), "from-zero", "the router holds requests for it")
+            if lo > 0:
+                return _Step(lo, "bounds", f"below minReplicas {lo}")
+            return _Step(0, "none", "scaled to zero; no demand")
+        if current < lo:
+            return _Step(lo, "bounds", f"below minReplicas {lo}")
+        if current > hi:
+            return _Step(hi, "bounds", f"above maxReplicas {hi}")
+        return None
+
+    def _scale(
+        self, spec: ScalingSpec, obs: Observation, load: Load, missing: int, panic: bool
+    ) -> _Step:
+        s = self.settings
+        current, lo, hi = obs.replicas, spec.min_replicas, spec.max_replicas
+        signals = self._describe(spec, obs, load)
+
+        up = current
+        if load.need > current * (1 + s.tolerance):
+            up = min(hi, math.ceil(load.need))
+            if not panic:
+                up = min(up, max(current + 1, math.ceil(current * s.max_scale_up_factor)))
+
+        # This step's recommendation for scaling down: replicas not ready yet count as one
+        # replica of need each; an unread ready replica or panic holds the count.
+        starting = max(0, current - load.ready)
+        need_down = load.need + starting
+        if up > current or missing > 0 or panic or need_down >= current * (1 - s.tolerance):
+            recommendation = up
+        else:
+            recommendation = max(1, lo, math.ceil(need_down))
+        self._recommendations.append((obs.time, recommendation))
+        delay = spec.scale_down_delay_seconds
+        while self._recommendations and self._recommendations[0][0] < obs.time - delay:
+            self._recommendations.popleft()
+
+        if up > current:
+            return _Step(up, "up", f"panic: {signals}" if panic else signals)
+        zero = self._to_zero(spec, obs)
+        if zero is not None:
+            return _Step(0, "to-zero", zero)
+        if missing > 0:
+            return _Step(current, "none", f"{missing} ready replica(s) unread; {signals}")
+        highest = max(r for _, r in self._recommendations)
+        covered = self._first_time is not None and obs.time - self._first_time >= delay
+        if highest < current and covered:
+            return _Step(
+                highest,
+                "down",
+                f"{signals}; every recommendation of the last {delay}s was at most {highest}",
+            )
+        return _Step(current, "none", signals)
+
+    def _to_zero(self, spec: ScalingSpec, obs: Observation) -> str | None:
+        after = spec.scale_to_zero_after_seconds
+        if after is None or spec.min_replicas > 0 or self._idle_since is None:
+            return None
+        idle_for = obs.time - self._idle_since
+        if idle_for < after:
+            return None
+        if obs.demand_time is not None and obs.time - obs.demand_time < after:
+            return None
+        return f"no requests for {idle_for:.0f}s (scaleToZeroAfterSeconds {after})"
+
+    @staticmethod
+    def _describe(spec: ScalingSpec, obs: Observation, load: Load) -> str:
+        parts = []
+        if load.kv_cache_usage is not None:
+            parts.append(
+                f"KV cache {load.kv_cache_usage:.2f} (target {spec.target_kv_cache_usage:.2f})"
+            )
+        parts.append(f"{load.running:.0f} running, {load.waiting:.0f} waiting")
+        if load.queue_time_p90 is not None:
+            parts.append(
+                f"p90 queue time {load.queue_time_p90:.2f}s "
+                f"(target {spec.target_queue_time_seconds:g}s)"
+            )
+        return (
+            f"{', '.join(parts)} on {load.sampled}/{load.ready} ready replicas: "
+            f"need {load.need:.2f} for {obs.replicas}"
+        )

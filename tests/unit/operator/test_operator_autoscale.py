@@ -1,0 +1,497 @@
+"""The autoscaling control law: properties (hypothesis) and worked cases."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from fleetllm.operator.api import ScalingSpec
+from fleetllm.operator.autoscale import (
+    Autoscaler,
+    Decision,
+    LawSettings,
+    Observation,
+    histogram_delta,
+    histogram_quantile,
+    merge_histograms,
+)
+from fleetllm.scrape import EngineSample, Histogram
+
+BOUNDS = (0.5, 1.0, 2.0, 5.0, math.inf)
+TOL = LawSettings().tolerance
+
+
+def spec(**kw: object) -> ScalingSpec:
+    base: dict[str, object] = {
+        "min_replicas": 1,
+        "max_replicas": 20,
+        "scale_down_delay_seconds": 60,
+        "target_kv_cache_usage": 0.8,
+        "target_queue_time_seconds": 1.0,
+    }
+    base.update(kw)
+    return ScalingSpec.model_validate(base)
+
+
+def hist(counts: dict[float, float]) -> Histogram:
+    """A cumulative histogram from per-bucket (not cumulative) counts."""
+    total, buckets = 0.0, []
+    for le in BOUNDS:
+        total += counts.get(le, 0.0)
+        buckets.append((le, total))
+    return Histogram(tuple(buckets), count=total, sum=0.0)
+
+
+def sample(t: float, kv: float, running: float = 0.0, waiting: float = 0.0, **kw: object):
+    return EngineSample(time=t, running=running, waiting=waiting, kv_cache_usage=kv, **kw)  # type: ignore[arg-type]
+
+
+def observe(
+    t: float,
+    replicas: int,
+    kvs: list[float],
+    *,
+    running: float = 0.0,
+    waiting: float = 0.0,
+    ready: int | None = None,
+    capacity: int | None = None,
+    demand: float | None = None,
+    queue: list[Histogram] | None = None,
+) -> Observation:
+    samples = {
+        f"r{i}": sample(t, kv, running, waiting, queue_time=None if queue is None else queue[i])
+        for i, kv in enumerate(kvs)
+    }
+    return Observation(
+        time=t,
+        replicas=replicas,
+        ready_replicas=len(kvs) if ready is None else ready,
+        samples=samples,
+        replica_capacity=capacity,
+        demand_time=demand,
+    )
+
+
+# -- histograms ----------------------------------------------------------------------------
+
+
+def test_quantile_follows_prometheus() -> None:
+    h = hist({0.5: 50, 1.0: 40, 2.0: 10})
+    # rank 90 falls at the top of the (0.5, 1.0] bucket
+    assert histogram_quantile(0.9, h) == pytest.approx(1.0)
+    assert histogram_quantile(0.5, h) == pytest.approx(0.5)
+    assert histogram_quantile(0.95, h) == pytest.approx(1.5)
+    # In the +Inf bucket: the largest finite bound.
+    assert histogram_quantile(0.9, hist({math.inf: 10})) == 5.0
+    assert histogram_quantile(0.9, hist({})) is None
+
+
+def test_deltas_restart_and_merge() -> None:
+    before = hist({0.5: 3, 2.0: 1})
+    after = hist({0.5: 5, 2.0: 1, math.inf: 2})
+    assert histogram_delta(after, None) is None
+    delta = histogram_delta(after, before)
+    assert delta is not None and delta.count == 4
+    assert [c for _, c in delta.buckets] == [2, 2, 2, 2, 4]
+    # The process restarted: its counts went down, so all it holds now is new.
+    assert histogram_delta(hist({0.5: 1}), before) == hist({0.5: 1})
+    # Different bucket layouts merge over the union of bounds without over-counting.
+    other = Histogram(((1.5, 1.0), (math.inf, 2.0)), count=2.0, sum=0.0)
+    merged = merge_histograms([delta, other])
+    assert merged is not None and merged.count == 6
+    assert dict(merged.buckets)[1.5] == 2 + 1 and dict(merged.buckets)[math.inf] == 6
+
+
+# -- worked cases ----------------------------------------------------------------------------
+
+
+def test_high_kv_usage_scales_up_at_most_twice_a_step() -> None:
+    law = Autoscaler()
+    d = law.decide(spec(), observe(0, 1, [1.0]))
+    assert (d.replicas, d.change) == (2, "up")
+    assert "KV cache 1.00 (target 0.80)" in d.reason
+    # The added replica is starting: the same load asks for nothing more.
+    d = law.decide(spec(), observe(5, 2, [1.0]))
+    assert (d.replicas, d.change) == (2, "none")
+
+
+def test_slots_and_waiting_requests_need_replicas_kv_does_not_show() -> None:
+    law = Autoscaler()
+    d = law.decide(spec(), observe(0, 2, [0.3, 0.3], running=8, waiting=4, capacity=8))
+    # (2 x 8 running + 2 x 4 waiting) / (8 slots x 0.8) = 3.75 -> 4
+    assert (d.replicas, d.change) == (4, "up")
+    assert d.load.need == pytest.approx(3.75)
+
+
+def test_queue_time_over_target_scales_up_when_requests_wait() -> None:
+    law = Autoscaler()
+    queue = [hist({}), hist({})]
+    law.decide(spec(), observe(0, 2, [0.5, 0.5], queue=queue))
+    slow = [hist({2.0: 10}), hist({2.0: 10})]  # 20 requests queued 1..2 s
+    d = law.decide(spec(), observe(5, 2, [0.5, 0.5], waiting=1, queue=slow))
+    assert d.load.queue_time_p90 == pytest.approx(1.9)
+    assert (d.replicas, d.change) == (4, "up")
+    assert "p90 queue time 1.90s (target 1s)" in d.reason
+    # Nothing waits now: the recent queue times are history, not a reason to add more.
+    law2 = Autoscaler()
+    law2.decide(spec(), observe(0, 2, [0.5, 0.5], queue=queue))
+    assert law2.decide(spec(), observe(5, 2, [0.5, 0.5], queue=slow)).change == "none"
+
+
+def test_panic_on_queue_time_far_above_target_jumps_to_the_need() -> None:
+    law = Autoscaler()
+    queue = [hist({})] * 2
+    law.decide(spec(), observe(0, 2, [0.5, 0.5], queue=queue))
+    very_slow = [hist({5.0: 20})] * 2
+    d = law.decide(
+        spec(), observe(5, 2, [0.9, 0.9], running=8, waiting=20, capacity=8, queue=very_slow)
+    )
+    assert d.panic
+    # (16 running + 40 waiting) / 6.4 = 8.75 -> 9 at once, past the x2 step bound.
+    assert (d.replicas, d.change) == (9, "up")
+    assert d.reason.startswith("panic: ")
+
+
+def test_scale_down_waits_for_the_delay_then_goes_to_the_highest_recommendation() -> None:
+    law = Autoscaler()
+    s = spec(scale_down_delay_seconds=60)
+    for t in range(0, 60, 5):
+        d = law.decide(s, observe(t, 4, [0.1, 0.1, 0.2, 0.2]))
+        assert d.replicas == 4, t
+    d = law.decide(s, observe(60, 4, [0.1, 0.1, 0.2, 0.2]))
+    assert (d.replicas, d.change) == (1, "down")
+    # A busy moment inside the delay holds the count until it leaves the window.
+    law = Autoscaler()
+    for t in range(0, 65, 5):
+        kv = [0.8] * 4 if t == 30 else [0.1] * 4
+        d = law.decide(s, observe(t, 4, kv))
+        assert d.replicas == 4, t
+    assert law.decide(s, observe(95, 4, [0.1] * 4)).replicas == 1
+
+
+def test_idle_scales_to_zero_and_demand_brings_one_back() -> None:
+    s = spec(min_replicas=0, scale_to_zero_after_seconds=30, scale_down_delay_seconds=10)
+    law = Autoscaler()
+    idle = [hist({0.5: 3})]
+    law.decide(s, observe(0, 1, [0.0], queue=idle))
+    for t in range(5, 35, 5):
+        d = law.decide(s, observe(t, 1, [0.0], queue=idle))
+        assert d.replicas == 1, t
+    d = law.decide(s, observe(35, 1, [0.0], queue=idle))
+    assert (d.replicas, d.change) == (0, "to-zero")
+    assert "no requests for 30s" in d.reason
+    # At zero: nothing to read, nothing changes.
+    d = law.decide(s, Observation(40, 0, 0, {}))
+    assert (d.replicas, d.change) == (0, "none")
+    # The router asks for capacity: one replica.
+    d = law.decide(s, Observation(45, 0, 0, {}, demand_time=44))
+    assert (d.replicas, d.change) == (1, "from-zero")
+    # The router scaled it itself (Kubernetes): the replica is starting; the law holds it...
+    for t in range(50, 200, 5):
+        d = law.decide(s, Observation(t, 1, 0, {}, demand_time=44))
+        assert d.replicas == 1, t
+    # ...and once ready and idle, zero again only after the full idle time: the first read
+    # of a replica shows no traffic yet (its counts span an unknown past), the second does.
+    for t in (200, 205, 234):
+        assert law.decide(s, observe(t, 1, [0.0], queue=idle)).replicas == 1
+    assert law.decide(s, observe(235, 1, [0.0], queue=idle)).replicas == 0
+
+
+def test_finished_requests_between_scrapes_are_traffic() -> None:
+    s = spec(min_replicas=0, scale_to_zero_after_seconds=20)
+    law = Autoscaler()
+    for t in range(0, 100, 5):
+        # running and waiting read 0 at every scrape, but one request finished each time
+        queue = [hist({0.5: t})]
+        assert law.decide(s, observe(t, 1, [0.0], queue=queue)).replicas == 1
+
+
+def test_recent_demand_holds_off_scale_to_zero() -> None:
+    s = spec(min_replicas=0, scale_to_zero_after_seconds=20)
+    law = Autoscaler()
+    idle = [hist({})]
+    for t in range(0, 40, 5):
+        d = law.decide(s, observe(t, 1, [0.0], queue=idle, demand=25))
+    assert d.replicas == 1
+    assert law.decide(s, observe(45, 1, [0.0], queue=idle, demand=25)).replicas == 0
+
+
+def test_a_replica_without_the_queue_histogram_is_never_idle() -> None:
+    s = spec(min_replicas=0, scale_to_zero_after_seconds=10)
+    law = Autoscaler()
+    for t in range(0, 100, 5):
+        assert law.decide(s, observe(t, 1, [0.0])).replicas == 1
+
+
+def test_an_unread_replica_inside_the_delay_postpones_scale_down() -> None:
+    s = spec(scale_down_delay_seconds=60)
+    law = Autoscaler()
+    for t in range(0, 95, 5):
+        obs = observe(t, 4, [0.1] * 4)
+        if t == 30:
+            obs = Observation(t, 4, 4, {**obs.samples, "r3": None})
+        assert law.decide(s, obs).replicas == 4, t
+    assert law.decide(s, observe(95, 4, [0.1] * 4)).replicas == 1
+
+
+def test_running_or_waiting_requests_are_never_idle() -> None:
+    s = spec(min_replicas=0, scale_to_zero_after_seconds=10)
+    for running, waiting in ((1, 0), (0, 1)):
+        law = Autoscaler()
+        for t in range(0, 100, 5):
+            obs = observe(t, 1, [0.0], running=running, waiting=waiting, queue=[hist({})])
+            assert law.decide(s, obs).replicas == 1
+
+
+def test_replicas_not_ready_yet_count_as_loaded_when_scaling_down() -> None:
+    # 4 wanted, 2 ready and idle, 2 still starting: after the delay, 2 stay (not 1).
+    s = spec(scale_down_delay_seconds=20)
+    law = Autoscaler()
+    decisions = [law.decide(s, observe(t, 4, [0.0, 0.0], ready=2)) for t in range(0, 25, 5)]
+    assert [d.replicas for d in decisions] == [4, 4, 4, 4, 2]
+
+
+def test_bounds() -> None:
+    s = spec(min_replicas=2, max_replicas=5)
+    assert Autoscaler().decide(s, observe(0, 1, [0.1])).replicas == 2
+    assert Autoscaler().decide(s, observe(0, 9, [0.1] * 9)).replicas == 5
+    assert Autoscaler().decide(s, observe(0, 5, [1.0] * 5)).replicas == 5
+    assert Autoscaler().decide(s, Observation(0, 0, 0, {})).replicas == 2
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError):
+        LawSettings(max_scale_up_factor=1.0)
+    with pytest.raises(ValueError):
+        LawSettings(tolerance=-0.1)
+
+
+# -- properties ------------------------------------------------------------------------------
+
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+replica_load = st.tuples(
+    st.floats(0, 1),  # kv usage
+    st.integers(0, 16),  # running
+    st.integers(0, 40),  # waiting
+)
+
+
+@st.composite
+def scalings(draw: st.DrawFn) -> ScalingSpec:
+    lo = draw(st.integers(0, 4))
+    hi = draw(st.integers(max(lo, 1), 12))
+    zero = draw(st.none() | st.integers(1, 120)) if lo == 0 else None
+    return spec(
+        min_replicas=lo,
+        max_replicas=hi,
+        scale_down_delay_seconds=draw(st.integers(0, 120)),
+        scale_to_zero_after_seconds=zero,
+        target_kv_cache_usage=draw(st.floats(0.3, 1.0)),
+    )
+
+
+@st.composite
+def step_inputs(draw: st.DrawFn) -> list[tuple[float, list[tuple[float, int, int] | None], int]]:
+    """Steps of (seconds since the last, per-replica load or None for unread, finished)."""
+    n = draw(st.integers(1, 40))
+    return [
+        (
+            draw(st.sampled_from([1.0, 5.0, 15.0])),
+            draw(st.lists(st.none() | replica_load, min_size=0, max_size=12)),
+            draw(st.integers(0, 3)),
+        )
+        for _ in range(n)
+    ]
+
+
+def run(
+    s: ScalingSpec,
+    steps: list[tuple[float, list[tuple[float, int, int] | None], int]],
+    start: int,
+    capacity: int | None = 8,
+) -> list[tuple[Observation, Decision]]:
+    """Feed the steps, each time with the count the previous decision set (replicas become
+    ready at once, up to the samples the step has)."""
+    law = Autoscaler()
+    t, replicas, finished = 0.0, start, 0.0
+    out = []
+    for dt, loads, done in steps:
+        t += dt
+        finished += done
+        read = loads[:replicas]
+        samples = {
+            f"r{i}": None
+            if load is None
+            else sample(t, load[0], load[1], load[2], queue_time=hist({0.5: finished}))
+            for i, load in enumerate(read)
+        }
+        obs = Observation(t, replicas, len(samples), samples, replica_capacity=capacity)
+        decision = law.decide(s, obs)
+        out.append((obs, decision))
+        replicas = decision.replicas
+    return out
+
+
+@PROPERTY
+@given(scalings(), step_inputs(), st.integers(0, 15))
+def test_decisions_stay_within_bounds(s: ScalingSpec, steps: list, start: int) -> None:
+    for obs, d in run(s, steps, start):
+        if d.replicas == 0:
+            assert s.min_replicas == 0, (obs, d)
+        else:
+            assert s.min_replicas <= d.replicas <= s.max_replicas, (obs, d)
+
+
+@PROPERTY
+@given(scalings(), step_inputs(), st.integers(1, 15))
+def test_no_scale_down_inside_the_delay(s: ScalingSpec, steps: list, start: int) -> None:
+    history = run(s, steps, start)
+    first = history[0][0].time
+    for i, (obs, d) in enumerate(history):
+        if d.change != "down":
+            continue
+        assert obs.time - first >= s.scale_down_delay_seconds
+        # Every step of the delay before it was fully read and needed at most where it went.
+        for prior, pd in history[: i + 1]:
+            if prior.time < obs.time - s.scale_down_delay_seconds or pd.change == "bounds":
+                continue
+            assert pd.change not in ("up", "from-zero"), (prior, pd)
+            assert math.ceil(pd.load.need) <= d.replicas, (prior, pd, d)
+            assert all(x is not None for x in prior.samples.values()), (prior, pd)
+
+
+@PROPERTY
+@given(
+    scalings(),
+    step_inputs(),
+    st.integers(1, 12),
+    st.lists(replica_load, min_size=1, max_size=12),
+    st.floats(1.0, 4.0),
+    st.integers(0, 10),
+)
+def test_monotone_in_load(
+    s: ScalingSpec,
+    prefix: list,
+    replicas: int,
+    loads: list[tuple[float, int, int]],
+    factor: float,
+    extra_waiting: int,
+) -> None:
+    """After the same history, more load never gets fewer replicas."""
+    law = Autoscaler()
+    t = 0.0
+    for dt, step_loads, _ in prefix:
+        t += dt
+        samples = {
+            f"r{i}": None if x is None else sample(t, x[0], x[1], x[2])
+            for i, x in enumerate(step_loads)
+        }
+        law.decide(s, Observation(t, replicas, len(samples), samples, replica_capacity=8))
+    t += 5
+    loads = loads[:replicas]
+
+    def last(scale: float, more_waiting: int) -> int:
+        samples = {
+            f"r{i}": sample(t, min(1.0, kv * scale), run * scale, w * scale + more_waiting)
+            for i, (kv, run, w) in enumerate(loads)
+        }
+        obs = Observation(t, replicas, len(samples), samples, replica_capacity=8)
+        return copy.deepcopy(law).decide(s, obs).replicas
+
+    assert last(1.0, 0) <= last(factor, extra_waiting)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(1, 16),
+    st.floats(1 - TOL + 0.01, 1 + TOL - 0.01),
+    st.floats(0.0, 0.009),
+    st.integers(0, 2**32 - 1),
+)
+def test_noisy_constant_load_inside_the_band_never_flaps(
+    n: int, level: float, noise: float, seed: int
+) -> None:
+    """1000 steps of load whose need stays within the tolerance band of n: n throughout."""
+    rng = random.Random(seed)
+    s = spec(max_replicas=40, scale_down_delay_seconds=30)
+    law = Autoscaler()
+    for step in range(1000):
+        t = step * 5.0
+        per_replica = [
+            max(0.0, min(1.0, 0.8 * level * (1 + rng.uniform(-noise, noise)))) for _ in range(n)
+        ]
+        d = law.decide(s, observe(t, n, per_replica, queue=[hist({0.5: step})] * n))
+        assert (d.replicas, d.change) == (n, "none"), (step, d)
+
+
+@PROPERTY
+@given(
+    st.integers(1, 10),
+    st.integers(1, 32),
+    st.integers(0, 200),
+    st.integers(11, 60),
+)
+def test_panic_reaches_the_needed_replicas_in_one_step(
+    replicas: int, capacity: int, waiting: int, hi: int
+) -> None:
+    s = spec(max_replicas=hi)
+    running = capacity  # every slot busy
+    need = replicas * (running + waiting) / (capacity * s.target_kv_cache_usage)
+    assume(need >= LawSettings().panic_factor * replicas)
+    d = Autoscaler().decide(
+        s,
+        observe(0, replicas, [0.5] * replicas, running=running, waiting=waiting, capacity=capacity),
+    )
+    assert d.panic
+    assert d.replicas == min(hi, math.ceil(need))
+
+
+@PROPERTY
+@given(scalings(), step_inputs(), st.integers(1, 15), st.data())
+def test_missing_samples_never_scale_down(
+    s: ScalingSpec, steps: list, start: int, data: st.DataObject
+) -> None:
+    """Whenever a ready replica is unread, stale or incomplete, the count does not go down,
+    whatever the others say and however long it lasts."""
+    law = Autoscaler()
+    t, replicas = 0.0, start
+    for dt, loads, _ in steps:
+        t += dt
+        read = loads[:replicas] or [None]
+        kind = data.draw(st.sampled_from(["none", "stale", "incomplete", "absent"]))
+        samples: dict[str, EngineSample | None] = {
+            f"r{i}": None if x is None else sample(t, x[0], 0, 0, queue_time=hist({}))
+            for i, x in enumerate(read)
+        }
+        ready = len(samples)
+        if kind == "none":
+            samples["gone"] = None
+            ready += 1
+        elif kind == "stale":
+            samples["gone"] = sample(t - 31, 0.0, queue_time=hist({}))
+            ready += 1
+        elif kind == "incomplete":
+            samples["gone"] = EngineSample(time=t, running=0.0, waiting=0.0)
+            ready += 1
+        else:
+            ready += 1  # reported ready, not in the samples at all
+        obs = Observation(t, replicas, ready, samples, replica_capacity=8)
+        d = law.decide(s, obs)
+        if s.min_replicas <= replicas <= s.max_replicas:
+            assert d.replicas >= replicas, (obs, d)
+        replicas = d.replicas
+    # Then every replica reads idle, but an unread step stays in the delay's span: no scale
+    # down until it has left it.
+    last_unread = t
+    while replicas and t + 5 < last_unread + s.scale_down_delay_seconds:
+        t += 5
+        idle = {f"r{i}": sample(t, 0.0, queue_time=hist({})) for i in range(replicas)}
+        d = law.decide(s, Observation(t, replicas, replicas, idle, replica_capacity=8))
+        assert d.change != "down", (t, last_unread, d)
+        replicas = d.replicas

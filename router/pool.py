@@ -108,6 +108,16 @@ class Lease:
         if self.pooled is not None:
             self._pool.refresh_up(self.model, self.pooled)
 
+    async def confirm_broken(self) -> bool:
+        """After a suspect answer (a 500): whether the replica's /health fails now, in which
+        case it is backed off (and out until a scrape sees it healthy again)."""
+        healthy = await self._pool.check_health(self.replica.url)
+        if healthy:
+            return False
+        self.replica.record_scrape(False, None)
+        self.failed()
+        return True
+
     def release(self, outcome: str) -> None:
         """The attempt is over; `outcome` is the replica's HTTP status, or `error`."""
         metrics = self._pool.metrics
@@ -205,6 +215,11 @@ class ReplicaPool:
         if up and len(model.hold):
             model.hold.notify()
 
+    async def check_health(self, url: str) -> bool:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout)
+        return await check_health(self._session, url, timeout)
+
     async def _scrape_loop(self, model: ModelPool, pooled: PooledReplica) -> None:
         assert self._session is not None
         replica = pooled.replica
@@ -288,15 +303,23 @@ async def scrape_replica(
     session: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout
 ) -> tuple[bool, dict[str, float] | None]:
     """One look at a replica: whether /health answers 200, and if so its load gauges."""
-    healthy, gauges = False, None
+    if not await check_health(session, url, timeout):
+        return False, None
     try:
-        async with session.get(url + "/health", timeout=timeout) as r:
-            healthy = r.status == 200
-            await r.read()
-        if healthy:
-            async with session.get(url + "/metrics", timeout=timeout) as r:
-                if r.status == 200:
-                    gauges = parse_engine_metrics(await r.text())
+        async with session.get(url + "/metrics", timeout=timeout) as r:
+            if r.status == 200:
+                return True, parse_engine_metrics(await r.text())
     except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
         pass
-    return healthy, gauges
+    return True, None
+
+
+async def check_health(
+    session: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout
+) -> bool:
+    try:
+        async with session.get(url + "/health", timeout=timeout) as r:
+            await r.read()
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False

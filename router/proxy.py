@@ -2,8 +2,10 @@
 
 The body is read once and parsed once (for `model` and the prompt prefix); the replica's answer
 is relayed as bytes: a stream is forwarded event by event as it arrives, never re-encoded. A
-request may move to another replica only while nothing has reached the client; after that, a
-broken stream ends with an SSE error event and `[DONE]`.
+request may move to another replica only while nothing has reached the client, and a stream's
+events are held back until its first token (see `sse.First`), so that a replica failing
+before then is replaced; after that, a broken stream ends with an SSE error event and
+`[DONE]`. What an answer says of the replica is decided in `outcomes`.
 """
 
 from __future__ import annotations
@@ -27,15 +29,23 @@ from fleetllm.router.config import RouterSettings
 from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldRejected
 from fleetllm.router.metrics import RouterMetrics
+from fleetllm.router.outcomes import Verdict, classify
 from fleetllm.router.pool import Lease, ModelPool, ReplicaPool
 from fleetllm.router.replicas import Replica
-from fleetllm.router.sse import SSE_END, error_event, usage_tokens, usage_tokens_sse
+from fleetllm.router.sse import (
+    SSE_END,
+    First,
+    error_event,
+    first_kind,
+    usage_tokens,
+    usage_tokens_sse,
+)
 
 log = logging.getLogger("fleetllm.router")
 
 PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
-# Statuses after which another replica may do better; anything else is the answer.
-RETRY_STATUSES = frozenset({502, 503, 504})
+# A stream that sends this much before its first token is relayed as it is.
+MAX_PREAMBLE_BYTES = 1 << 20
 RETRY_AFTER_SECONDS = 5
 CLIENT_CLOSED = "499"
 
@@ -267,7 +277,8 @@ class Proxy:
     async def _attempt(
         self, lease: Lease, ctx: _Context, deadline: float
     ) -> web.StreamResponse | _Failure:
-        """One try on one replica. A _Failure means nothing reached the client."""
+        """One try on one replica. A _Failure means nothing reached the client, and that the
+        replica could not serve (it has been backed off): another replica may."""
         loop = asyncio.get_running_loop()
         stream = ctx.payload.get("stream") is True
         headers = {**self._upstream_headers, "X-Request-Id": ctx.request_id}
@@ -287,16 +298,10 @@ class Proxy:
                     )
                     outcome = str(upstream.status)
                     content_type = upstream.headers.get("Content-Type", "application/json")
-                    if upstream.status in RETRY_STATUSES:
-                        detail = await upstream.read()
-                        lease.failed()
-                        return _Failure(upstream.status, detail, content_type)
                     if not content_type.startswith("text/event-stream"):
                         data = await upstream.read()
-                        if upstream.status >= 500:
-                            lease.failed()
-                        else:
-                            lease.succeeded()
+                        if await self._judge(lease, upstream.status):
+                            return _Failure(upstream.status, data, content_type)
                         if ctx.key is not None and ctx.key.tokens_per_minute is not None:
                             ctx.tokens = usage_tokens(data) or len(ctx.body) // 4
                         return web.Response(
@@ -304,18 +309,19 @@ class Proxy:
                             body=data,
                             headers={"Content-Type": content_type},
                         )
-                    first = await upstream.content.readany()
-                    if not first:
-                        raise aiohttp.ServerDisconnectedError("the stream ended before its start")
+                    if await self._judge(lease, upstream.status):
+                        return _Failure(upstream.status, await upstream.read(), content_type)
+                    first, error = await _read_until_first_token(upstream)
+                    if error and await self._judge(lease, error):
+                        return _Failure(error, _event_data(first), "application/json")
             except (aiohttp.ClientError, TimeoutError) as exc:
                 outcome = "error"
                 lease.failed()
                 timed_out = isinstance(exc, TimeoutError)
                 status = 504 if timed_out else 502
                 what = "did not answer in time" if timed_out else f"failed: {_describe(exc)}"
-                return _Failure(
-                    status, error_json(status, f"The replica {what}."), "application/json"
-                )
+                body = error_json(status, f"The replica {what}.")
+                return _Failure(status, body, "application/json")
             return await self._relay(lease, ctx, upstream, first, deadline)
         finally:
             lease.release(outcome)
@@ -326,6 +332,20 @@ class Proxy:
                     upstream.release()
                 else:
                     upstream.close()
+
+    @staticmethod
+    async def _judge(lease: Lease, status: int) -> bool:
+        """Record what an answer says of the replica (see `outcomes`); True when the
+        request should move to another replica."""
+        verdict = classify(status)
+        if verdict is Verdict.UNAVAILABLE:
+            lease.failed()
+            return True
+        if verdict is Verdict.SUSPECT:
+            await lease.confirm_broken()
+        else:
+            lease.succeeded()
+        return False
 
     async def _relay(
         self,
@@ -393,6 +413,33 @@ class Proxy:
         with contextlib.suppress(ConnectionResetError):
             await out.write_eof()
         return out
+
+
+async def _read_until_first_token(upstream: aiohttp.ClientResponse) -> tuple[bytes, int]:
+    """Read a stream up to and including its first event that commits it (see `sse.First`):
+    the bytes read so far, and the error code when that event is an error. A stream that ends
+    first raises, as a broken connection would."""
+    held = 0  # bytes of whole events examined so far
+    data = b""
+    while True:
+        chunk = await upstream.content.readany()
+        if not chunk:
+            raise aiohttp.ServerDisconnectedError("the stream ended before its first token")
+        data += chunk
+        while (cut := data.find(SSE_END, held)) >= 0:
+            kind, code = first_kind(data[held:cut])
+            held = cut + len(SSE_END)
+            if kind is not First.PREAMBLE:
+                return data, code if kind is First.ERROR else 0
+        if len(data) > MAX_PREAMBLE_BYTES:
+            return data, 0  # not a stream of ours; let the client have it
+
+
+def _event_data(data: bytes) -> bytes:
+    """The JSON of the last whole event in `data` (an error event's envelope)."""
+    last = data[: data.rfind(SSE_END)].rsplit(SSE_END, 1)[-1]
+    lines = [line[5:].lstrip(b" ") for line in last.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines)
 
 
 async def _write(out: web.StreamResponse, data: bytes) -> None:

@@ -3,6 +3,7 @@ event framing, the error event that ends a broken stream, and token usage for ra
 
 from __future__ import annotations
 
+import enum
 import json
 from typing import Any
 
@@ -49,3 +50,52 @@ def _total(usage: Any) -> int:
         return total
     parts = [usage.get("prompt_tokens"), usage.get("completion_tokens")]
     return sum(p for p in parts if isinstance(p, int))
+
+
+class First(enum.Enum):
+    """What one event of a stream is, for failover: a stream is committed to its replica by
+    its first event that carries a token, a finish or an error; events before it carry nothing
+    a client would miss (a chat stream's role-only opening, empty deltas, comments) and are
+    held back, so that a replica that fails before its first token can be replaced."""
+
+    PREAMBLE = "preamble"
+    CONTENT = "content"
+    ERROR = "error"
+
+
+def first_kind(event: bytes) -> tuple[First, int]:
+    """The kind of one event (its bytes without the blank line that ends it), and for an
+    error event its `code` (502 where it names none)."""
+    data = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+    if not data:
+        return First.PREAMBLE, 0  # a comment or a bare field: nothing for the client yet
+    try:
+        doc = json.loads(b"\n".join(data))
+    except ValueError:
+        return First.CONTENT, 0  # [DONE], or something only the client can make sense of
+    if not isinstance(doc, dict):
+        return First.CONTENT, 0
+    error = doc.get("error")
+    if error is not None:
+        code = error.get("code") if isinstance(error, dict) else None
+        valid = isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599
+        return First.ERROR, code if valid else 502
+    choices = doc.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return First.CONTENT, 0  # e.g. a usage-only event
+    return (First.CONTENT if any(_carries(c) for c in choices) else First.PREAMBLE), 0
+
+
+def _carries(choice: Any) -> bool:
+    if not isinstance(choice, dict):
+        return True
+    if choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
+        return True
+    if choice.get("text") or choice.get("token_ids"):
+        return True
+    delta = choice.get("delta")
+    if delta is None:
+        return False
+    if not isinstance(delta, dict):
+        return True
+    return any(value not in (None, "", [], {}) for key, value in delta.items() if key != "role")

@@ -1,0 +1,109 @@
+"""Reading relayed answers: which stream event commits a stream to its replica, what an answer
+says of the replica, token usage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fleetllm.router.outcomes import Verdict, classify
+from fleetllm.router.sse import First, error_event, first_kind, usage_tokens, usage_tokens_sse
+
+
+def _event(doc: object) -> bytes:
+    return b"data: " + json.dumps(doc).encode()
+
+
+ROLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+
+
+@pytest.mark.parametrize(
+    ("event", "kind"),
+    [
+        # Nothing a client would miss: held back.
+        (_event(ROLE), First.PREAMBLE),
+        (_event({"choices": [{"index": 0, "delta": {}, "finish_reason": None}]}), First.PREAMBLE),
+        (_event({"choices": [{"index": 0, "text": "", "logprobs": None}]}), First.PREAMBLE),
+        (_event({"choices": [{"delta": {"role": "assistant", "tool_calls": []}}]}), First.PREAMBLE),
+        (b": keep-alive", First.PREAMBLE),
+        (b"event: ping", First.PREAMBLE),
+        # A token, a finish, anything else: the stream is committed.
+        (_event({"choices": [{"index": 0, "text": "Hi"}]}), First.CONTENT),
+        (_event({"choices": [{"delta": {"content": "Hi"}}]}), First.CONTENT),
+        (_event({"choices": [{"delta": {"reasoning_content": "hm"}}]}), First.CONTENT),
+        (_event({"choices": [{"delta": {"tool_calls": [{"id": "1"}]}}]}), First.CONTENT),
+        (_event({"choices": [{"delta": {}, "finish_reason": "length"}]}), First.CONTENT),
+        (_event({"choices": [{"text": "", "token_ids": [5]}]}), First.CONTENT),
+        (_event({"choices": [], "usage": {"total_tokens": 3}}), First.CONTENT),
+        (_event({"choices": [ROLE["choices"][0], {"index": 1, "text": "x"}]}), First.CONTENT),
+        (b"data: [DONE]", First.CONTENT),
+        (b"data: {not json", First.CONTENT),
+        (b"data: [1, 2]", First.CONTENT),
+        (_event({"choices": ["odd"]}), First.CONTENT),
+        # Split over several data lines, as SSE allows.
+        (b'data: {"choices": [{"text":\ndata: "Hi"}]}', First.CONTENT),
+    ],
+)
+def test_first_kind(event: bytes, kind: First) -> None:
+    assert first_kind(event) == (kind, 0)
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        ({"message": "x", "code": 500}, 500),
+        ({"message": "x", "code": 400}, 400),
+        ({"message": "x", "code": 503}, 503),
+        ({"message": "x"}, 502),
+        ({"message": "x", "code": "boom"}, 502),
+        ({"message": "x", "code": True}, 502),
+        ({"message": "x", "code": 200}, 502),
+        ("plain text", 502),
+    ],
+)
+def test_error_events_commit_with_their_code(error: object, code: int) -> None:
+    assert first_kind(_event({"error": error})) == (First.ERROR, code)
+
+
+def test_the_routers_error_event_is_an_envelope_then_done() -> None:
+    data = error_event("gone", 502)
+    first, done, rest = data.split(b"\n\n")
+    assert first_kind(first) == (First.ERROR, 502)
+    assert json.loads(first[6:])["error"] == {
+        "message": "gone",
+        "type": "BadGatewayError",
+        "param": None,
+        "code": 502,
+    }
+    assert (done, rest) == (b"data: [DONE]", b"")
+
+
+@pytest.mark.parametrize(
+    ("status", "verdict"),
+    [
+        (200, Verdict.ANSWER),
+        (400, Verdict.ANSWER),
+        (404, Verdict.ANSWER),
+        (413, Verdict.ANSWER),
+        (422, Verdict.ANSWER),
+        (429, Verdict.ANSWER),
+        (500, Verdict.SUSPECT),
+        (501, Verdict.SUSPECT),
+        (502, Verdict.UNAVAILABLE),
+        (503, Verdict.UNAVAILABLE),
+        (504, Verdict.UNAVAILABLE),
+        (505, Verdict.SUSPECT),
+    ],
+)
+def test_what_a_status_says_about_the_replica(status: int, verdict: Verdict) -> None:
+    assert classify(status) is verdict
+
+
+def test_usage() -> None:
+    assert usage_tokens(b'{"usage": {"total_tokens": 7}}') == 7
+    assert usage_tokens(b'{"usage": {"prompt_tokens": 3, "completion_tokens": 4}}') == 7
+    assert usage_tokens(b"[]") == 0 and usage_tokens(b"nope") == 0
+    tail = b'data: {"choices": []}\n\ndata: {"choices": [], "usage": {"total_tokens": 9}}\n\n'
+    assert usage_tokens_sse(tail + b"data: [DONE]\n\n") == 9
+    assert usage_tokens_sse(b'data: {"choices": []}\n\n') == 0

@@ -22,7 +22,7 @@ from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import Discovery, Fleet, ModelRoute, discovery_summary
 from fleetllm.router.holding import HoldQueue
 from fleetllm.router.metrics import RouterMetrics
-from fleetllm.router.replicas import Replica, parse_engine_metrics
+from fleetllm.router.replicas import Replica
 from fleetllm.router.strategies import (
     HashRing,
     bounded_prefix,
@@ -32,6 +32,7 @@ from fleetllm.router.strategies import (
     round_robin,
     stable_hash,
 )
+from fleetllm.scrape import EngineSample, ScrapeError, fetch_metrics
 
 log = logging.getLogger("fleetllm.router")
 
@@ -223,11 +224,12 @@ class ReplicaPool:
     async def _scrape_loop(self, model: ModelPool, pooled: PooledReplica) -> None:
         assert self._session is not None
         replica = pooled.replica
-        timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout)
         while True:
-            healthy, gauges = await scrape_replica(self._session, replica.url, timeout)
+            healthy, sample = await scrape_replica(
+                self._session, replica.url, self.settings.scrape_timeout
+            )
             was_up = replica.available(time.monotonic())
-            replica.record_scrape(healthy, gauges)
+            replica.record_scrape(healthy, sample)
             self.refresh_up(model, pooled)
             if was_up != replica.available(time.monotonic()):
                 log.info(
@@ -300,18 +302,15 @@ class ReplicaPool:
 
 
 async def scrape_replica(
-    session: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout
-) -> tuple[bool, dict[str, float] | None]:
-    """One look at a replica: whether /health answers 200, and if so its load gauges."""
-    if not await check_health(session, url, timeout):
+    session: aiohttp.ClientSession, url: str, timeout: float
+) -> tuple[bool, EngineSample | None]:
+    """One look at a replica: whether /health answers 200, and if so its load."""
+    if not await check_health(session, url, aiohttp.ClientTimeout(total=timeout)):
         return False, None
     try:
-        async with session.get(url + "/metrics", timeout=timeout) as r:
-            if r.status == 200:
-                return True, parse_engine_metrics(await r.text())
-    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
-        pass
-    return True, None
+        return True, await fetch_metrics(session, url, timeout)
+    except ScrapeError:
+        return True, None
 
 
 async def check_health(

@@ -3,45 +3,8 @@ health, active (the scrape of /health) and passive (failed requests, with backof
 
 from __future__ import annotations
 
-import math
-
 from fleetllm.router.strategies import Candidate
-
-# vLLM's gauge names (and the pre-v1 name of the KV-cache gauge, which real vLLM pods of older
-# versions still expose) -> the field they feed.
-ENGINE_GAUGES = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:gpu_cache_usage_perc": "kv_usage",
-}
-
-
-def parse_engine_metrics(text: str) -> dict[str, float]:
-    """The load gauges from a Prometheus text exposition, summed over label sets (a replica
-    that serves several model names reports one series per name)."""
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        brace = line.find("{")
-        if brace >= 0:
-            name = line[:brace]
-            # Label values may hold spaces; the sample follows the closing brace.
-            rest = line[line.rfind("}") + 1 :].split()
-        else:
-            name, _, tail = line.partition(" ")
-            rest = tail.split()
-        field = ENGINE_GAUGES.get(name)
-        if field is None or not rest:
-            continue
-        try:
-            value = float(rest[0])
-        except ValueError:
-            continue
-        if not math.isnan(value):  # NaN says nothing about load
-            found[field] = found.get(field, 0.0) + value
-    return found
+from fleetllm.scrape import EngineSample
 
 
 class Replica:
@@ -88,13 +51,17 @@ class Replica:
     def record_success(self) -> None:
         self.failures = 0
 
-    def record_scrape(self, healthy: bool, gauges: dict[str, float] | None) -> None:
+    def record_scrape(self, healthy: bool, sample: EngineSample | None) -> None:
         if healthy and self.healthy is False:
             # It came back (restarted, finished loading): start from a clean slate.
             self.failures = 0
             self.down_until = 0.0
         self.healthy = healthy
-        if gauges:
-            self.running = gauges.get("running", self.running)
-            self.waiting = gauges.get("waiting", self.waiting)
-            self.kv_usage = gauges.get("kv_usage", self.kv_usage)
+        if sample is not None:
+            # A gauge the replica did not report keeps its last value.
+            if sample.running is not None:
+                self.running = sample.running
+            if sample.waiting is not None:
+                self.waiting = sample.waiting
+            if sample.kv_cache_usage is not None:
+                self.kv_usage = sample.kv_cache_usage

@@ -1,32 +1,10 @@
-"""Replica state: load gauges from /metrics, passive failures with backoff, health."""
+"""Replica state: load from /metrics scrapes (fleetllm.scrape), passive failures with backoff,
+health."""
 
 from __future__ import annotations
 
-from fleetllm.router.replicas import Replica, parse_engine_metrics
-
-EXPOSITION = """\
-# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="a b"} 3.0
-vllm:num_requests_running{engine="0",model_name="alias"} 1.0
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{model_name="m"} 7.0 1700000000000
-vllm:kv_cache_usage_perc{model_name="m"} 0.25
-vllm:prefix_cache_hits_total{model_name="m"} 1234.0
-vllm:time_to_first_token_seconds_bucket{le="0.001",model_name="m"} 0.0
-vllm:num_requests_waiting_garbage 9
-fleetllm:other 5
-"""
-
-
-def test_load_gauges_are_read_and_summed_over_label_sets() -> None:
-    assert parse_engine_metrics(EXPOSITION) == {"running": 4.0, "waiting": 7.0, "kv_usage": 0.25}
-
-
-def test_older_vllm_kv_gauge_and_unlabelled_samples() -> None:
-    text = "vllm:gpu_cache_usage_perc 0.5\nvllm:num_requests_waiting NaN\n"
-    assert parse_engine_metrics(text) == {"kv_usage": 0.5}
-    assert parse_engine_metrics('vllm:num_requests_running{x="1"} notanumber\n') == {}
+from fleetllm.router.replicas import Replica
+from fleetllm.scrape import EngineSample
 
 
 def test_failures_back_off_exponentially_up_to_a_cap() -> None:
@@ -45,8 +23,11 @@ def test_failures_back_off_exponentially_up_to_a_cap() -> None:
 
 def test_health_draining_and_a_replica_that_comes_back() -> None:
     r = Replica("http://a:1", "m")
-    r.record_scrape(True, {"waiting": 2.0, "kv_usage": 0.5})
+    r.record_scrape(True, EngineSample(time=0.0, waiting=2.0, kv_cache_usage=0.5))
     assert (r.waiting, r.kv_usage, r.running) == (2.0, 0.5, 0.0)
+    # A gauge missing from a later scrape keeps its last value.
+    r.record_scrape(True, EngineSample(time=1.0, running=3.0))
+    assert (r.waiting, r.kv_usage, r.running) == (2.0, 0.5, 3.0)
     r.record_failure(0.0, base=1.0, cap=60.0)
     r.record_failure(0.0, base=1.0, cap=60.0)
     r.record_scrape(False, None)

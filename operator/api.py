@@ -16,6 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from fleetllm.operator.catalog import GPU_PROFILES, GPU_TYPES
+
 GROUP = "fleetllm.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -182,11 +184,28 @@ class GPUSpec(_Model):
     """The accelerator each replica runs on; the count is tensor x pipeline."""
 
     type: str = Field(
-        json_schema_extra={
-            "enum": ["L4", "A10G", "A100-40GB", "A100-80GB", "H100-80GB", "H200", "RTX4090", "cpu"]
-        },
+        json_schema_extra={"enum": list(GPU_TYPES)},
         description="Accelerator type from the catalog; cpu runs without one.",
     )
+    node_selector_profile: str | None = Field(
+        None,
+        json_schema_extra={"enum": list(GPU_PROFILES)},
+        description="Which node labels select this GPU type: gfd (nvidia.com/gpu.product), "
+        "gke (cloud.google.com/gke-accelerator), karpenter "
+        "(karpenter.k8s.aws/instance-gpu-name), or none (no GPU label; set pod.nodeSelector "
+        "to choose nodes yourself). Defaults to the operator's --gpu-profile.",
+    )
+
+    @model_validator(mode="after")
+    def _known(self) -> GPUSpec:
+        if self.node_selector_profile is not None and self.node_selector_profile not in (
+            GPU_PROFILES
+        ):
+            raise ValueError(
+                f"nodeSelectorProfile {self.node_selector_profile!r} is not one of "
+                f"{', '.join(GPU_PROFILES)}"
+            )
+        return self
 
 
 class ScalingSpec(_Model):
@@ -346,6 +365,7 @@ class PlanStatus(_Status):
     """What the planner decided; memory figures are per device."""
 
     backend: str
+    device: str = Field(description="Where the engine runs: cuda (the GPUs) or cpu.")
     gpu_type: str
     gpu_count: int = Field(description="Devices per replica (tensor x pipeline).")
     device_memory_gib: float = Field(alias="deviceMemoryGiB")
@@ -432,6 +452,24 @@ class ModelSource(BaseModel):
             claim, _, path = rest.partition("/")
             return cls(scheme="pvc", location=claim, path=path.strip("/"))
         return cls(scheme=scheme, location=rest)  # type: ignore[arg-type]
+
+    @property
+    def downloaded(self) -> bool:
+        """Whether the weights must be fetched into the pod (hf://, s3://) before loading."""
+        return self.scheme in ("hf", "s3")
+
+    def cache_key(self) -> str:
+        """This source's folder in a model cache: readable, and distinct per repository and
+        revision (`hf/Qwen/Qwen2.5-7B-Instruct/main`)."""
+        parts = [self.scheme, *self.location.split("/")]
+        if self.scheme == "hf":
+            parts.append(self.revision or "main")
+        return "/".join(_path_part(part) for part in parts if part)
+
+
+def _path_part(part: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", part)
+    return "_" if safe in (".", "..") else safe
 
 
 def format_validation_error(exc: ValidationError) -> str:

@@ -14,6 +14,19 @@ GIB = 1 << 30
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+GKE_ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
+KARPENTER_GPU_NAME_LABEL = "karpenter.k8s.aws/instance-gpu-name"
+KARPENTER_GPU_MEMORY_LABEL = "karpenter.k8s.aws/instance-gpu-memory"
+
+# Which node labels say what GPU a node has, per kind of cluster:
+# - none: no GPU label at all; pods ask for `nvidia.com/gpu` and land on any GPU node (the
+#   default: it never keeps an autoscaler from bringing a node);
+# - gfd: NVIDIA GPU Feature Discovery's `nvidia.com/gpu.product`, set only once a node runs;
+# - gke: GKE's `cloud.google.com/gke-accelerator`, known before the node exists (Autopilot
+#   and node auto-provisioning need it);
+# - karpenter: EKS with Karpenter's `karpenter.k8s.aws/instance-gpu-name` (plus the GPU memory
+#   where one name covers two cards), known before the node exists.
+GPU_PROFILES = ("none", "gfd", "gke", "karpenter")
 
 
 @dataclass(frozen=True)
@@ -29,6 +42,12 @@ class GPUType:
     """The value GPU feature discovery puts in the `nvidia.com/gpu.product` node label."""
     gpu_class: str
     """The tuning class: engine settings are chosen per class, not per product."""
+    gke_accelerator: str | None = None
+    """The `cloud.google.com/gke-accelerator` value; None where GKE does not offer it."""
+    karpenter_name: str | None = None
+    """The `karpenter.k8s.aws/instance-gpu-name` value; None where EC2 does not offer it."""
+    karpenter_memory: bool = False
+    """Whether Karpenter needs the GPU memory label too (two cards share the name)."""
 
     @property
     def is_gpu(self) -> bool:
@@ -40,20 +59,80 @@ class GPUType:
         return self.compute_capability is not None and self.compute_capability >= (8, 9)
 
     @property
+    def supports_bf16(self) -> bool:
+        # bfloat16 arrived with Ampere (8.0); Turing (T4) has float16 only.
+        return self.compute_capability is not None and self.compute_capability >= (8, 0)
+
+    @property
     def memory_bytes(self) -> int:
         return self.memory_mib * MIB
+
+    def node_labels(self, profile: str) -> dict[str, str] | None:
+        """The node selector that picks this GPU under `profile`: empty for `none` and for
+        CPU replicas, None when the profile has no label for this type."""
+        if profile not in GPU_PROFILES:
+            raise ValueError(f"unknown GPU profile {profile!r}; one of {', '.join(GPU_PROFILES)}")
+        if not self.is_gpu or profile == "none":
+            return {}
+        if profile == "gfd":
+            return {GPU_PRODUCT_LABEL: self.product_label} if self.product_label else None
+        if profile == "gke":
+            return {GKE_ACCELERATOR_LABEL: self.gke_accelerator} if self.gke_accelerator else None
+        if self.karpenter_name is None:
+            return None
+        labels = {KARPENTER_GPU_NAME_LABEL: self.karpenter_name}
+        if self.karpenter_memory:
+            labels[KARPENTER_GPU_MEMORY_LABEL] = str(self.memory_mib)
+        return labels
 
 
 GPU_TYPES: dict[str, GPUType] = {
     gpu.name: gpu
     for gpu in (
-        GPUType("L4", 23034, "Ada", (8, 9), "NVIDIA-L4", "24g"),
-        GPUType("A10G", 23028, "Ampere", (8, 6), "NVIDIA-A10G", "24g"),
+        GPUType("T4", 15109, "Turing", (7, 5), "Tesla-T4", "16g", "nvidia-tesla-t4", "t4"),
+        GPUType("L4", 23034, "Ada", (8, 9), "NVIDIA-L4", "24g", "nvidia-l4", "l4"),
+        GPUType("A10G", 23028, "Ampere", (8, 6), "NVIDIA-A10G", "24g", None, "a10g"),
         GPUType("RTX4090", 24564, "Ada", (8, 9), "NVIDIA-GeForce-RTX-4090", "24g"),
-        GPUType("A100-40GB", 40960, "Ampere", (8, 0), "NVIDIA-A100-SXM4-40GB", "40g"),
-        GPUType("A100-80GB", 81920, "Ampere", (8, 0), "NVIDIA-A100-SXM4-80GB", "80g"),
-        GPUType("H100-80GB", 81559, "Hopper", (9, 0), "NVIDIA-H100-80GB-HBM3", "80g"),
-        GPUType("H200", 143771, "Hopper", (9, 0), "NVIDIA-H200", "141g"),
+        GPUType(
+            "A100-40GB",
+            40960,
+            "Ampere",
+            (8, 0),
+            "NVIDIA-A100-SXM4-40GB",
+            "40g",
+            "nvidia-tesla-a100",
+            "a100",
+            karpenter_memory=True,
+        ),
+        GPUType("L40S", 46068, "Ada", (8, 9), "NVIDIA-L40S", "48g", None, "l40s"),
+        GPUType(
+            "A100-80GB",
+            81920,
+            "Ampere",
+            (8, 0),
+            "NVIDIA-A100-SXM4-80GB",
+            "80g",
+            "nvidia-a100-80gb",
+            "a100",
+            karpenter_memory=True,
+        ),
+        GPUType(
+            "H100-80GB",
+            81559,
+            "Hopper",
+            (9, 0),
+            "NVIDIA-H100-80GB-HBM3",
+            "80g",
+            "nvidia-h100-80gb",
+            "h100",
+        ),
+        GPUType("H100-NVL", 95830, "Hopper", (9, 0), "NVIDIA-H100-NVL", "80g"),
+        # Grace Hopper: the node is arm64 (images must be built for linux/arm64).
+        GPUType("GH200", 97871, "Hopper", (9, 0), "NVIDIA-GH200-480GB", "80g"),
+        GPUType(
+            "H200", 143771, "Hopper", (9, 0), "NVIDIA-H200", "141g", "nvidia-h200-141gb", "h200"
+        ),
+        GPUType("B200", 183359, "Blackwell", (10, 0), "NVIDIA-B200", "180g", "nvidia-b200", "b200"),
         GPUType("cpu", 4096, "cpu", None, None, "cpu"),
     )
 }

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Any
 
 import yaml
 
-from fleetllm.operator.api import LLMDeployment, load_llmdeployments
-from fleetllm.operator.catalog import GIB
+from fleetllm.operator.api import NAME_PATTERN, LLMDeployment, load_llmdeployments
+from fleetllm.operator.catalog import GIB, GPU_PROFILES
+from fleetllm.operator.config import ModelCache, OperatorConfig
 from fleetllm.operator.crd import crd_yaml, reference_markdown
+from fleetllm.operator.install import NAMESPACE, base_objects, monitoring_objects
 from fleetllm.operator.planner import Plan, PlanError, plan
 from fleetllm.operator.render import render
 
@@ -32,6 +35,45 @@ def dump_yaml_documents(objects: list[dict[str, Any]]) -> str:
     return yaml.dump_all(objects, Dumper=_LiteralDumper, sort_keys=False, width=100)
 
 
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The operator's configuration (config.OperatorConfig), the same for plan, render and
+    operator run."""
+    g = parser.add_argument_group("cluster")
+    g.add_argument(
+        "--gpu-profile",
+        choices=GPU_PROFILES,
+        default="none",
+        help="node labels that select a GPU type: none (only nvidia.com/gpu requests; "
+        "the default), gfd (nvidia.com/gpu.product), gke (cloud.google.com/gke-accelerator), "
+        "karpenter (karpenter.k8s.aws/instance-gpu-name)",
+    )
+    g.add_argument(
+        "--model-cache-claim",
+        metavar="CLAIM",
+        help="a ReadWriteMany PVC (in each model's namespace) that keeps downloaded weights: "
+        "each model is pulled into it once; default: an emptyDir per pod",
+    )
+    g.add_argument(
+        "--model-cache-read-only",
+        action="store_true",
+        help="the cache claim is ReadOnlyMany, filled beforehand with `fleetllm model pull`",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> OperatorConfig:
+    claim = args.model_cache_claim
+    if claim is None:
+        if args.model_cache_read_only:
+            raise ValueError("--model-cache-read-only needs --model-cache-claim")
+        return OperatorConfig(gpu_profile=args.gpu_profile)
+    if not re.match(NAME_PATTERN, claim) or len(claim) > 253:
+        raise ValueError(f"--model-cache-claim {claim!r} is not a valid claim name")
+    return OperatorConfig(
+        gpu_profile=args.gpu_profile,
+        model_cache=ModelCache(claim, read_only=args.model_cache_read_only),
+    )
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p_plan = sub.add_parser(
         "plan",
@@ -41,6 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p_plan.add_argument("-f", "--filename", required=True, help="YAML file of LLMDeployments")
     p_plan.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    add_config_arguments(p_plan)
     p_plan.set_defaults(func=cmd_plan)
 
     p_render = sub.add_parser(
@@ -50,7 +93,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         "each LLMDeployment in FILE. No cluster is needed.",
     )
     p_render.add_argument("-f", "--filename", required=True, help="YAML file of LLMDeployments")
+    add_config_arguments(p_render)
     p_render.set_defaults(func=cmd_render)
+
+    p_manifests = sub.add_parser(
+        "manifests",
+        help="print the control plane's install objects (operator, router, RBAC)",
+        description="Print, as multi-document YAML, what manifests/base holds (base: namespace, "
+        "operator, router, their RBAC) or manifests/monitoring (monitoring: a PodMonitor for "
+        "the engines and a ServiceMonitor for the router). The CRDs come from `fleetllm crds`.",
+    )
+    p_manifests.add_argument("part", nargs="?", choices=["base", "monitoring"], default="base")
+    p_manifests.add_argument(
+        "-n", "--namespace", default=NAMESPACE, help="namespace of the control plane"
+    )
+    add_config_arguments(p_manifests)
+    p_manifests.set_defaults(func=cmd_manifests)
 
     p_crds = sub.add_parser("crds", help="print the LLMDeployment CustomResourceDefinition")
     p_crds.add_argument(
@@ -98,16 +156,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="URL",
         help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
     )
+    add_config_arguments(p_run)
     p_run.add_argument("--log-format", choices=["json", "plain"], default="json")
     p_run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p_run.set_defaults(func=cmd_operator_run)
 
 
-def _plan_all(path: str) -> list[tuple[LLMDeployment, Plan | PlanError]]:
+def _plan_all(path: str, config: OperatorConfig) -> list[tuple[LLMDeployment, Plan | PlanError]]:
     results: list[tuple[LLMDeployment, Plan | PlanError]] = []
     for cr in load_llmdeployments(path):
         try:
-            results.append((cr, plan(cr.spec)))
+            results.append((cr, plan(cr.spec, config)))
         except PlanError as exc:
             results.append((cr, exc))
     return results
@@ -142,7 +201,7 @@ def _table(cr: LLMDeployment, result: Plan | PlanError) -> str:
     budget = est.budget_bytes / GIB
     rows = [
         ("model", f"{result.arch.name}, {s.weights} weights, {s.dtype}"),
-        ("hardware", f"{where}, backend {s.backend}"),
+        ("hardware", f"{where}, backend {s.backend} on {s.device}"),
         (
             "device memory",
             f"{s.device_memory_gib:.2f} GiB, budget {budget:.2f} GiB "
@@ -174,7 +233,7 @@ def _table(cr: LLMDeployment, result: Plan | PlanError) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    results = _plan_all(args.filename)
+    results = _plan_all(args.filename, config_from_args(args))
     if args.output == "table":
         sys.stdout.write("\n".join(_table(cr, result) for cr, result in results))
     else:
@@ -189,7 +248,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_render(args: argparse.Namespace) -> int:
     objects: list[dict[str, Any]] = []
     refused = False
-    for cr, result in _plan_all(args.filename):
+    config = config_from_args(args)
+    for cr, result in _plan_all(args.filename, config):
         if isinstance(result, PlanError):
             print(
                 f"fleetllm: {args.filename}: {cr.metadata.name}: not rendered, plan refused "
@@ -198,10 +258,22 @@ def cmd_render(args: argparse.Namespace) -> int:
             )
             refused = True
         else:
-            objects.extend(render(cr, result))
+            objects.extend(render(cr, result, config))
     if objects:
         sys.stdout.write(dump_yaml_documents(objects))
     return 1 if refused else 0
+
+
+def cmd_manifests(args: argparse.Namespace) -> int:
+    if not re.match(NAME_PATTERN, args.namespace) or len(args.namespace) > 63:
+        raise ValueError(f"--namespace {args.namespace!r} is not a valid namespace name")
+    if args.part == "monitoring":
+        objects = monitoring_objects(args.namespace)
+    else:
+        objects = base_objects(args.namespace, config_from_args(args))
+    header = f"# Generated by `fleetllm manifests {args.part}`; do not edit.\n"
+    sys.stdout.write(header + dump_yaml_documents(objects))
+    return 0
 
 
 def cmd_crds(args: argparse.Namespace) -> int:
@@ -221,4 +293,5 @@ def cmd_operator_run(args: argparse.Namespace) -> int:
         liveness=args.liveness,
         log_json=args.log_format == "json",
         verbose=args.verbose,
+        config=config_from_args(args),
     )

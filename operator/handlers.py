@@ -21,6 +21,7 @@ import aiohttp
 import kopf
 
 from fleetllm.operator.api import GROUP, KIND, PLURAL, VERSION
+from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.operator.kube import RESOURCES, ApiError, KubeClient
 from fleetllm.operator.reconciler import Reconciler
 from fleetllm.operator.render import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER
@@ -59,8 +60,11 @@ class OperatorState:
     reconciler: Reconciler
 
     @classmethod
-    def create(cls, login: Callable[[], kopf.ConnectionInfo]) -> OperatorState:
-        return cls(login=login, reconciler=Reconciler(KubeClient(login), emit=_post_event))
+    def create(
+        cls, login: Callable[[], kopf.ConnectionInfo], config: OperatorConfig = DEFAULT_CONFIG
+    ) -> OperatorState:
+        reconciler = Reconciler(KubeClient(login), emit=_post_event, config=config)
+        return cls(login=login, reconciler=reconciler)
 
 
 def _post_event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
@@ -197,6 +201,7 @@ def run(
     liveness: str | None,
     log_json: bool,
     verbose: bool,
+    config: OperatorConfig = DEFAULT_CONFIG,
 ) -> int:
     kopf.configure(
         verbose=verbose, log_format=kopf.LogFormat.JSON if log_json else kopf.LogFormat.FULL
@@ -206,7 +211,7 @@ def run(
     kopf.run(
         registry=build_registry(),
         settings=settings,
-        memo=OperatorState.create(default_login),
+        memo=OperatorState.create(default_login, config),
         clusterwide=clusterwide,
         namespaces=namespaces,
         standalone=standalone,

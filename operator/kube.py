@@ -42,7 +42,10 @@ RESOURCES: dict[str, Resource] = {
     "Service": Resource("v1", "services"),
     "Deployment": Resource("apps/v1", "deployments"),
     "PodDisruptionBudget": Resource("policy/v1", "poddisruptionbudgets"),
+    # Read only: whether the replicas can share a model's claim.
+    "PersistentVolumeClaim": Resource("v1", "persistentvolumeclaims"),
 }
+READ_ONLY_KINDS = frozenset({"PersistentVolumeClaim"})
 
 
 class ApiError(Exception):

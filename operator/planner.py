@@ -16,6 +16,7 @@ A replica is refused when its capacity is below one maxModelLen sequence.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -29,15 +30,16 @@ from fleetllm.operator.catalog import (
     ModelArch,
     find_model,
 )
-from fleetllm.version import __version__
+from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
+from fleetllm.operator.images import ENGINE_CUDA_IMAGE, ENGINE_IMAGE, VLLM_IMAGE
 
 BLOCK_SIZE = 16
 MAX_DEVICES_PER_REPLICA = 8
 ENGINE_PORT = 8000
-
-BUILTIN_IMAGE = f"ghcr.io/fleetllm/fleetllm:{__version__}"
-BUILTIN_CUDA_IMAGE = f"ghcr.io/fleetllm/fleetllm:{__version__}-cuda"
-VLLM_IMAGE = "vllm/vllm-openai:v0.10.1.1"
+# A suggested maxModelLen stays this far below the planned capacity: engines size their KV
+# cache from what they measure at start, and vLLM refuses to start when it holds even one
+# token less than maxModelLen.
+SUGGESTION_MARGIN = Fraction(90, 100)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ TUNING: dict[str, ClassTuning] = {
     "40g": ClassTuning(Fraction(92, 100), 4096, 256),
     "80g": ClassTuning(Fraction(92, 100), 8192, 512),
     "141g": ClassTuning(Fraction(94, 100), 16384, 1024),
+    "16g": ClassTuning(Fraction(90, 100), 2048, 128),
+    "48g": ClassTuning(Fraction(92, 100), 4096, 256),
+    "180g": ClassTuning(Fraction(94, 100), 16384, 1024),
 }
 
 # Memory a replica uses besides weights, KV cache and activations: CUDA graphs and allocator
@@ -203,6 +208,11 @@ class Plan:
     command: tuple[str, ...]
     args: tuple[str, ...]
     total_weights_bytes: int
+    node_selector: dict[str, str]
+    """The GPU node labels of the chosen profile (empty when it asks for none)."""
+    model_path: str
+    """Where the engine loads the model from (a folder in the pod, or a built-in name)."""
+    drain_seconds: int
 
     @property
     def devices(self) -> int:
@@ -298,8 +308,9 @@ def _check_backend(spec: LLMDeploymentSpec, gpu: GPUType) -> None:
     if uses_fp8 and not gpu.supports_fp8:
         raise PlanError(
             "UnsupportedQuantization",
-            f"quantization.{uses_fp8[0]}: fp8 needs an Ada or Hopper GPU (L4, RTX4090, "
-            f"H100-80GB, H200); {gpu.name} is {gpu.architecture}. Use int8, awq or gptq weights",
+            f"quantization.{uses_fp8[0]}: fp8 needs an Ada, Hopper or Blackwell GPU "
+            f"({', '.join(g.name for g in GPU_TYPES.values() if g.supports_fp8)}); {gpu.name} "
+            f"is {gpu.architecture}. Use int8, awq or gptq weights",
         )
     devices = tp * pp
     if devices > MAX_DEVICES_PER_REPLICA:
@@ -349,10 +360,94 @@ def _nearest_tensor_sizes(arch: ModelArch, tensor: int) -> tuple[str, ...]:
 
 
 def _resolve_dtype(spec: LLMDeploymentSpec, gpu: GPUType) -> str:
+    if spec.engine.dtype == "bfloat16" and gpu.is_gpu and not gpu.supports_bf16:
+        raise PlanError(
+            "UnsupportedDtype",
+            f"{gpu.name} ({gpu.architecture}) has no bfloat16; use engine.dtype: float16 (or auto)",
+        )
     if spec.engine.dtype != "auto":
         return spec.engine.dtype
-    # bf16 matmuls are slow on CPUs without bf16 instructions; every catalog GPU has them.
-    return "bfloat16" if gpu.is_gpu else "float32"
+    # bf16 matmuls are slow on CPUs without bf16 instructions, and Turing GPUs lack them.
+    if not gpu.is_gpu:
+        return "float32"
+    return "bfloat16" if gpu.supports_bf16 else "float16"
+
+
+def _check_source(spec: LLMDeploymentSpec, source: ModelSource) -> None:
+    if source.scheme == "builtin" and spec.engine.backend != "builtin":
+        raise PlanError(
+            "UnsupportedSource",
+            f"{spec.model.source} ships only in fleetllm's engine image; vLLM cannot load it. "
+            "Use engine.backend: builtin, or an hf://, s3:// or pvc:// source",
+        )
+
+
+SHARED_ACCESS_MODES = frozenset({"ReadOnlyMany", "ReadWriteMany"})
+
+
+def claims_to_check(spec: LLMDeploymentSpec, config: OperatorConfig) -> list[str]:
+    """The PersistentVolumeClaims whose access modes decide whether the replicas can share
+    them: a pvc:// source's, and the model cache's when weights are downloaded."""
+    source = ModelSource.parse(spec.model.source)
+    if source.scheme == "pvc":
+        return [source.location]
+    if source.downloaded and config.model_cache is not None:
+        return [config.model_cache.claim_name]
+    return []
+
+
+def _most_replicas(spec: LLMDeploymentSpec) -> int:
+    scaling = spec.scaling
+    return max(spec.replicas, scaling.max_replicas if scaling is not None else 0)
+
+
+def check_claims(
+    spec: LLMDeploymentSpec,
+    config: OperatorConfig,
+    access_modes: Mapping[str, Sequence[str]],
+) -> None:
+    """Refuse claims the replicas cannot share. `access_modes`: claim -> spec.accessModes of
+    the claims that exist (a missing one leaves its pods Pending, which they report)."""
+    most = _most_replicas(spec)
+    source = ModelSource.parse(spec.model.source)
+    for claim in claims_to_check(spec, config):
+        modes = access_modes.get(claim)
+        if modes is None:
+            continue
+        listed = ", ".join(modes) or "no access mode"
+        if set(modes) == {"ReadWriteOncePod"}:
+            raise PlanError(
+                "ClaimNotShareable",
+                f"PersistentVolumeClaim {claim} is ReadWriteOncePod: one pod at a time, but a "
+                "rolling update runs the new replica beside the old one; use a ReadOnlyMany "
+                "or ReadWriteMany claim",
+            )
+        # Every replica's pull init container writes to a model cache that is not read-only.
+        writes = source.scheme != "pvc" and not (
+            config.model_cache and config.model_cache.read_only
+        )
+        usable = {"ReadWriteMany"} if writes else SHARED_ACCESS_MODES
+        if most > 1 and not usable & set(modes):
+            need = "ReadWriteMany" if writes else "ReadOnlyMany or ReadWriteMany"
+            raise PlanError(
+                "ClaimNotShareable",
+                f"PersistentVolumeClaim {claim} is {listed}: up to {most} replicas on "
+                f"different nodes {'write to' if writes else 'read'} it, which needs {need}; "
+                "use such a claim, or at most 1 replica",
+            )
+
+
+def _node_selector(spec: LLMDeploymentSpec, gpu: GPUType, config: OperatorConfig) -> dict[str, str]:
+    profile = spec.gpu.node_selector_profile or config.gpu_profile
+    labels = gpu.node_labels(profile)
+    if labels is None:
+        raise PlanError(
+            "NoNodeLabelForGPU",
+            f"the {profile} node-selector profile has no label for gpu.type {gpu.name} (that "
+            "cluster kind does not offer it); set gpu.nodeSelectorProfile: none and choose "
+            "nodes with pod.nodeSelector",
+        )
+    return labels
 
 
 def _memory_bytes(spec: LLMDeploymentSpec, gpu: GPUType) -> int:
@@ -453,9 +548,18 @@ def _suggestions(
             found.append(f"gpu.type: {bigger.name}")
             break
 
-    if current.capacity_tokens >= 16:
-        found.append(f"maxModelLen: {current.capacity_tokens} or less")
+    suggested = suggested_max_model_len(current.capacity_tokens)
+    if suggested >= 16:
+        found.append(f"maxModelLen: {suggested} or less")
     return tuple(found)
+
+
+def suggested_max_model_len(capacity_tokens: int) -> int:
+    """A maxModelLen that fits with room to spare: SUGGESTION_MARGIN of the capacity, rounded
+    down to a multiple of 256 (of 16 for short ones)."""
+    room = math.floor(capacity_tokens * SUGGESTION_MARGIN)
+    step = 256 if room >= 1024 else 16
+    return room // step * step
 
 
 def _max_num_seqs(capacity: int, max_model_len: int, cap: int) -> int:
@@ -471,12 +575,20 @@ def _gib(value: int) -> float:
     return round(value / GIB, 2)
 
 
-def plan(spec: LLMDeploymentSpec) -> Plan:
-    """Plan one replica of `spec`, or raise PlanError with the reason and what would fit."""
+def plan(
+    spec: LLMDeploymentSpec,
+    config: OperatorConfig = DEFAULT_CONFIG,
+    claim_access_modes: Mapping[str, Sequence[str]] | None = None,
+) -> Plan:
+    """Plan one replica of `spec`, or raise PlanError with the reason and what would fit.
+    `claim_access_modes`: the access modes of the claims in `claims_to_check` that exist."""
     gpu = resolve_gpu(spec.gpu.type)
     _check_backend(spec, gpu)
     arch = resolve_arch(spec)
     source = ModelSource.parse(spec.model.source)
+    _check_source(spec, source)
+    node_selector = _node_selector(spec, gpu, config)
+    check_claims(spec, config, claim_access_modes or {})
     tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
     _check_parallelism(arch, tp, pp)
 
@@ -524,9 +636,11 @@ def plan(spec: LLMDeploymentSpec) -> Plan:
     max_num_seqs = _max_num_seqs(est.capacity_tokens, max_model_len, tuning.max_num_seqs)
     batched = max(max_num_seqs, min(tuning.max_num_batched_tokens, est.capacity_tokens))
     kv_dtype = dtype if quant.kv_cache == "auto" else quant.kv_cache
+    model_path = model_location(source)
     command, args = _engine_command(
         spec,
-        source,
+        gpu,
+        model_path,
         dtype=dtype,
         max_model_len=max_model_len,
         est=est,
@@ -537,6 +651,7 @@ def plan(spec: LLMDeploymentSpec) -> Plan:
     image = spec.engine.image or _default_image(spec, gpu)
     status = PlanStatus(
         backend=spec.engine.backend,
+        device="cuda" if gpu.is_gpu else "cpu",
         gpu_type=gpu.name,
         gpu_count=tp * pp if gpu.is_gpu else 0,
         device_memory_gib=_gib(est.memory_bytes),
@@ -567,39 +682,37 @@ def plan(spec: LLMDeploymentSpec) -> Plan:
         command=command,
         args=(*args, *spec.engine.extra_args),
         total_weights_bytes=weight_bytes(arch, quant.weights, dtype),
+        node_selector=node_selector,
+        model_path=model_path,
+        drain_seconds=spec.engine.drain_seconds,
     )
 
 
 def _default_image(spec: LLMDeploymentSpec, gpu: GPUType) -> str:
     if spec.engine.backend == "vllm":
         return VLLM_IMAGE
-    return BUILTIN_CUDA_IMAGE if gpu.is_gpu else BUILTIN_IMAGE
+    return ENGINE_CUDA_IMAGE if gpu.is_gpu else ENGINE_IMAGE
 
 
 MODEL_MOUNT = "/models"
+"""Where a pvc:// source's claim is mounted."""
+MODEL_CACHE_MOUNT = "/var/lib/fleetllm/models"
+"""Where hf:// and s3:// weights are pulled to (the model cache volume)."""
 
 
-def engine_model_reference(source: ModelSource, backend: str) -> tuple[str, ...]:
-    """The engine flags that name the model."""
+def model_location(source: ModelSource) -> str:
+    """What the engine loads: a built-in model's name, or a folder in the pod."""
     if source.scheme == "builtin":
-        return ("--model", source.location)
+        return source.location
     if source.scheme == "pvc":
-        path = f"{MODEL_MOUNT}/{source.path}" if source.path else MODEL_MOUNT
-        return ("--model", path)
-    if source.scheme == "hf" and backend == "vllm":
-        flags: tuple[str, ...] = ("--model", source.location)
-        return (*flags, "--revision", source.revision) if source.revision else flags
-    if source.scheme == "hf":
-        revision = f"@{source.revision}" if source.revision else ""
-        return ("--model", f"hf://{source.location}{revision}")
-    reference = ("--model", f"s3://{source.location}")
-    # vLLM streams s3:// checkpoints through the Run:ai model streamer.
-    return (*reference, "--load-format", "runai_streamer") if backend == "vllm" else reference
+        return f"{MODEL_MOUNT}/{source.path}" if source.path else MODEL_MOUNT
+    return f"{MODEL_CACHE_MOUNT}/{source.cache_key()}"
 
 
 def _engine_command(
     spec: LLMDeploymentSpec,
-    source: ModelSource,
+    gpu: GPUType,
+    model_path: str,
     *,
     dtype: str,
     max_model_len: int,
@@ -607,8 +720,8 @@ def _engine_command(
     max_num_seqs: int,
     batched: int,
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    drain = str(spec.engine.drain_seconds)
     common = (
-        *engine_model_reference(source, spec.engine.backend),
         "--host",
         "0.0.0.0",
         "--port",
@@ -626,7 +739,13 @@ def _engine_command(
         # An explicit block count, not a memory fraction: the pool is exactly what was planned
         # and reported, whatever else shares the device or the pod's memory.
         return ("fleetllm", "engine", "serve"), (
+            "--model",
+            model_path,
             *common,
+            "--device",
+            "cuda" if gpu.is_gpu else "cpu",
+            "--shutdown-grace-period",
+            drain,
             "--num-kv-blocks",
             str(est.num_kv_blocks),
             "--max-num-seqs",
@@ -635,8 +754,13 @@ def _engine_command(
             str(batched),
         )
     quant = spec.quantization
+    # `vllm serve MODEL`: the positional form (vLLM deprecates --model there).
     args = [
+        model_path,
         *common,
+        # Drain on SIGTERM: running requests get this long before vLLM stops.
+        "--shutdown-timeout",
+        drain,
         "--gpu-memory-utilization",
         f"{float(est.tuning.memory_utilization):.2f}",
         "--max-num-seqs",
@@ -650,10 +774,13 @@ def _engine_command(
         "--enable-prefix-caching",
     ]
     if quant.weights != "none":
-        args += ["--quantization", VLLM_QUANTIZATION_FLAG[quant.weights]]
+        flag = VLLM_QUANTIZATION_FLAG[quant.weights]
+        if gpu.compute_capability is not None and gpu.compute_capability < (8, 0):
+            flag = flag.removesuffix("_marlin")  # Marlin kernels need Ampere or later
+        args += ["--quantization", flag]
     if quant.kv_cache != "auto":
         args += ["--kv-cache-dtype", quant.kv_cache]
-    return ("python3", "-m", "vllm.entrypoints.openai.api_server"), tuple(args)
+    return ("vllm", "serve"), tuple(args)
 
 
 # Flags the planner decides, and the spec field to use instead.
@@ -665,6 +792,9 @@ OWNED_FLAGS = {
     "--port": "(fixed)",
     "--served-model-name": "model.name",
     "--dtype": "engine.dtype",
+    "--device": "gpu.type",
+    "--shutdown-timeout": "engine.drainSeconds",
+    "--shutdown-grace-period": "engine.drainSeconds",
     "--max-model-len": "maxModelLen",
     "--block-size": "(planned)",
     "--num-kv-blocks": "(planned)",

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetllm.operator.api import API_VERSION, KIND, LLMDeployment, parse_llmdeployment
+from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.operator.kube import ApiError, KubeClient
-from fleetllm.operator.planner import Plan, PlanError, plan
+from fleetllm.operator.planner import Plan, PlanError, claims_to_check, plan
 from fleetllm.operator.render import ANNOTATION_APPLIED, child_names, render
 from fleetllm.operator.status import Refusal, Transition, build_status
 
@@ -80,9 +81,14 @@ class Outcome:
 
 class Reconciler:
     def __init__(
-        self, client: KubeClient, emit: EventSink, clock: Callable[[], str] = utcnow
+        self,
+        client: KubeClient,
+        emit: EventSink,
+        clock: Callable[[], str] = utcnow,
+        config: OperatorConfig = DEFAULT_CONFIG,
     ) -> None:
         self.client = client
+        self.config = config
         self._emit = emit
         self._clock = clock
         # Child events and LLMDeployment events for one object arrive on different watch
@@ -120,7 +126,8 @@ class Reconciler:
         outcome: Plan | Refusal
         try:
             cr = parse_llmdeployment(body, f"{KIND} {namespace}/{name}")
-            outcome = plan(cr.spec)
+            claims = await self._claim_access_modes(namespace, cr)
+            outcome = plan(cr.spec, self.config, claims)
         except PlanError as exc:
             outcome = Refusal(exc.reason, exc.message)
         except ValueError as exc:
@@ -131,7 +138,7 @@ class Reconciler:
         deployment: dict[str, Any] | None
         if isinstance(outcome, Plan) and cr is not None:
             deployment = None
-            for desired in render(cr, outcome):
+            for desired in render(cr, outcome, self.config):
                 desired["metadata"].setdefault("namespace", namespace)
                 kind, child = desired["kind"], desired["metadata"]["name"]
                 live = await self.client.get(kind, namespace, child)
@@ -158,6 +165,25 @@ class Reconciler:
 
         self._report(body, namespace, name, result, transitions)
         return result
+
+    async def _claim_access_modes(self, namespace: str, cr: LLMDeployment) -> dict[str, list[str]]:
+        """The access modes of the model's claims that exist (the planner refuses those the
+        replicas cannot share)."""
+        modes: dict[str, list[str]] = {}
+        for claim in claims_to_check(cr.spec, self.config):
+            try:
+                live = await self.client.get("PersistentVolumeClaim", namespace, claim)
+            except ApiError as exc:
+                if exc.status != 403:
+                    raise
+                logger.warning(
+                    "cannot read the model's claim; not checking its access modes",
+                    extra={"claim": f"{namespace}/{claim}", "error": str(exc)},
+                )
+                continue
+            if live is not None:
+                modes[claim] = list((live.get("spec") or {}).get("accessModes") or [])
+        return modes
 
     def _report(
         self,

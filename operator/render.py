@@ -8,14 +8,19 @@ object with its rendering shows no spurious difference.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
+from pathlib import Path
 from typing import Any
 
+from fleetllm.operator import drain_hook
 from fleetllm.operator.api import API_VERSION, KIND, LLMDeployment
-from fleetllm.operator.catalog import GIB, GPU_PRODUCT_LABEL, GPU_RESOURCE
-from fleetllm.operator.planner import ENGINE_PORT, MODEL_MOUNT, Plan
+from fleetllm.operator.catalog import GIB, GPU_RESOURCE
+from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
+from fleetllm.operator.images import CONTROL_PLANE_IMAGE
+from fleetllm.operator.planner import ENGINE_PORT, MODEL_CACHE_MOUNT, MODEL_MOUNT, Plan
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -28,10 +33,19 @@ COMPONENT = "engine"
 
 CACHE_DIR = "/var/cache/fleetllm"
 CONFIG_DIR = "/etc/fleetllm"
-# Time for endpoint removal to reach every router and kube-proxy before the engine stops
-# accepting requests.
+# Time for endpoint removal to reach every router and kube-proxy before the drain hook starts
+# watching the engine for its last requests.
 PRESTOP_SECONDS = 10
+# After the drain hook returns: SIGTERM, the engine's own drain of anything that came late,
+# and its exit.
+EXIT_SECONDS = 15
 RUN_AS = 1000
+# Assumed floors for sizing timeouts: a download of at least 50 MiB/s, a load from the pod's
+# disk of at least 100 MiB/s.
+DOWNLOAD_SECONDS_PER_GIB = 20
+LOAD_SECONDS_PER_GIB = 10
+# The drain hook's source, passed inline: vLLM's image has python3 but not fleetllm.
+DRAIN_HOOK_SOURCE = Path(drain_hook.__file__).read_text(encoding="utf-8")
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -145,11 +159,38 @@ def render_pdb(cr: LLMDeployment) -> dict[str, Any]:
 
 
 def startup_seconds(plan: Plan) -> int:
-    """How long a replica may take to load: downloading and loading the weights dominates."""
-    return 300 + 20 * math.ceil(plan.total_weights_bytes / GIB)
+    """How long the engine may take to load the weights from the pod's disk (the startup
+    probe's budget; a download happens before, in the pull init container)."""
+    return 300 + LOAD_SECONDS_PER_GIB * math.ceil(plan.total_weights_bytes / GIB)
 
 
-def _resources(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
+def download_seconds(plan: Plan) -> int:
+    """How long the pull init container may take (0 when nothing is downloaded)."""
+    if not plan.source.downloaded:
+        return 0
+    return 120 + DOWNLOAD_SECONDS_PER_GIB * math.ceil(plan.total_weights_bytes / GIB)
+
+
+def termination_grace_seconds(plan: Plan) -> int:
+    return PRESTOP_SECONDS + plan.drain_seconds + EXIT_SECONDS
+
+
+def _model_cache_bytes(plan: Plan) -> int:
+    """Room for one model's download: its weights, tokenizer and config, with slack."""
+    return plan.total_weights_bytes * 11 // 10 + GIB
+
+
+def _scratch_volumes(plan: Plan, config: OperatorConfig) -> dict[str, int]:
+    """emptyDir volumes on the node's disk -> size limit in bytes (the pod's
+    ephemeral-storage request is their sum)."""
+    sizes = {"cache": 2 * GIB, "tmp": GIB}
+    if plan.source.downloaded and config.model_cache is None:
+        sizes["models"] = _model_cache_bytes(plan)
+    return sizes
+
+
+def _resources(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[str, Any]:
+    scratch = _gib_quantity(sum(_scratch_volumes(plan, config).values()))
     if plan.gpu.is_gpu:
         # Host memory to stage the weights of this replica's share while loading.
         memory = _gib_quantity(plan.total_weights_bytes + 8 * GIB)
@@ -163,6 +204,9 @@ def _resources(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
         memory = _gib_quantity(plan.estimate.memory_bytes)
         requests = {"cpu": "2", "memory": memory}
         limits = {"memory": memory}
+    # The scheduler only counts node disk that is requested: the emptyDirs (a download among
+    # them) must fit on the node.
+    requests["ephemeral-storage"] = scratch
     overrides = cr.spec.pod.resources
     if overrides is not None:
         requests |= {key: str(value) for key, value in overrides.requests.items()}
@@ -170,21 +214,27 @@ def _resources(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def _env(cr: LLMDeployment) -> list[dict[str, Any]]:
-    env = [
-        # The root filesystem is read-only: every cache goes to the cache volume.
+def _base_env() -> list[dict[str, Any]]:
+    # The root filesystem is read-only: every cache goes to the cache volume.
+    return [
         {"name": "HOME", "value": CACHE_DIR},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
     ]
+
+
+def _user_env(cr: LLMDeployment) -> list[dict[str, Any]]:
+    return [var.model_dump(by_alias=True, exclude_none=True) for var in cr.spec.engine.env]
+
+
+def _env(cr: LLMDeployment) -> list[dict[str, Any]]:
+    env = _base_env()
     if cr.spec.engine.backend == "vllm":
         env += [
             {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
             {"name": "DO_NOT_TRACK", "value": "1"},
         ]
-    for var in cr.spec.engine.env:
-        env.append(var.model_dump(by_alias=True, exclude_none=True))
-    return env
+    return env + _user_env(cr)
 
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
@@ -196,14 +246,14 @@ def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str,
     }
 
 
-def _volumes(cr: LLMDeployment, plan: Plan) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(
+    cr: LLMDeployment, plan: Plan, config: OperatorConfig
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     names = child_names(cr.metadata.name)
-    cache_size = 2 * GIB
-    if plan.source.scheme in ("hf", "s3"):
-        cache_size += plan.total_weights_bytes * 5 // 4
+    scratch = _scratch_volumes(plan, config)
     volumes: list[dict[str, Any]] = [
-        {"name": "cache", "emptyDir": {"sizeLimit": _gib_quantity(cache_size)}},
-        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+        {"name": "cache", "emptyDir": {"sizeLimit": _gib_quantity(scratch["cache"])}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": _gib_quantity(scratch["tmp"])}},
         {"name": "config", "configMap": {"name": names["ConfigMap"]}},
     ]
     mounts: list[dict[str, Any]] = [
@@ -211,6 +261,17 @@ def _volumes(cr: LLMDeployment, plan: Plan) -> tuple[list[dict[str, Any]], list[
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
     ]
+    if plan.source.downloaded:
+        if config.model_cache is None:
+            volumes.append(
+                {"name": "models", "emptyDir": {"sizeLimit": _gib_quantity(scratch["models"])}}
+            )
+        else:
+            claim: dict[str, Any] = {"claimName": config.model_cache.claim_name}
+            if config.model_cache.read_only:
+                claim["readOnly"] = True
+            volumes.append({"name": "models", "persistentVolumeClaim": claim})
+        mounts.append({"name": "models", "mountPath": MODEL_CACHE_MOUNT, "readOnly": True})
     if plan.source.scheme == "pvc":
         volumes.append(
             {
@@ -226,10 +287,62 @@ def _volumes(cr: LLMDeployment, plan: Plan) -> tuple[list[dict[str, Any]], list[
     return volumes, mounts
 
 
-def _pod_spec(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
+_CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def _pull_container(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[str, Any]:
+    """The init container that fills the model cache (once, when the cache is a shared
+    volume that already holds the model)."""
+    read_only = config.model_cache is not None and config.model_cache.read_only
+    return {
+        "name": "model-pull",
+        "image": CONTROL_PLANE_IMAGE,
+        "command": ["fleetllm", "model", "pull"],
+        "args": [cr.spec.model.source, plan.model_path, *(["--read-only"] if read_only else [])],
+        # Credentials (HF_TOKEN, AWS_*) come from the same variables the engine gets.
+        "env": _base_env() + _user_env(cr),
+        "resources": {
+            "requests": {"cpu": "1", "memory": "512Mi"},
+            "limits": {"memory": "1Gi"},
+        },
+        "volumeMounts": [
+            # readOnly only when set: the API server drops a false one, and a rendering must
+            # match what it stores.
+            {
+                "name": "models",
+                "mountPath": MODEL_CACHE_MOUNT,
+                **({"readOnly": True} if read_only else {}),
+            },
+            {"name": "cache", "mountPath": CACHE_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": copy.deepcopy(_CONTAINER_SECURITY),
+    }
+
+
+def _drain_hook(plan: Plan) -> dict[str, Any]:
+    """Hold SIGTERM until the replica has no running or waiting request (at most
+    drainSeconds); the engine then drains whatever arrived late on its own."""
+    command = [
+        "python3",
+        "-c",
+        DRAIN_HOOK_SOURCE,
+        str(PRESTOP_SECONDS),
+        str(plan.drain_seconds),
+        str(ENGINE_PORT),
+    ]
+    return {"preStop": {"exec": {"command": command}}}
+
+
+def _pod_spec(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[str, Any]:
     spec = cr.spec
     pod = spec.pod
-    volumes, mounts = _volumes(cr, plan)
+    volumes, mounts = _volumes(cr, plan, config)
     startup = startup_seconds(plan)
     container: dict[str, Any] = {
         "name": "engine",
@@ -238,26 +351,22 @@ def _pod_spec(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
         "args": list(plan.args),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _env(cr),
-        "resources": _resources(cr, plan),
+        "resources": _resources(cr, plan, config),
         "volumeMounts": mounts,
         "startupProbe": _probe("/health", 10, math.ceil(startup / 10)),
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "lifecycle": _drain_hook(plan),
+        "securityContext": copy.deepcopy(_CONTAINER_SECURITY),
     }
     if spec.engine.image_pull_policy:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
 
-    node_selector = {"kubernetes.io/os": "linux"}
+    # GPU node labels only when the profile asks for them: a label that appears once a node
+    # runs (GPU feature discovery) keeps autoscalers from ever bringing that node.
+    node_selector = {"kubernetes.io/os": "linux", **plan.node_selector}
     tolerations: list[dict[str, Any]] = []
-    if plan.gpu.is_gpu and plan.gpu.product_label:
-        node_selector[GPU_PRODUCT_LABEL] = plan.gpu.product_label
+    if plan.gpu.is_gpu:
         tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     node_selector |= pod.node_selector
     tolerations += [t.model_dump(by_alias=True, exclude_none=True) for t in pod.tolerations]
@@ -278,7 +387,7 @@ def _pod_spec(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": PRESTOP_SECONDS + spec.engine.drain_seconds + 5,
+        "terminationGracePeriodSeconds": termination_grace_seconds(plan),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS,
@@ -291,6 +400,8 @@ def _pod_spec(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
         "containers": [container],
         "volumes": volumes,
     }
+    if plan.source.downloaded:
+        pod_spec["initContainers"] = [_pull_container(cr, plan, config)]
     if tolerations:
         pod_spec["tolerations"] = tolerations
     if pod.priority_class_name:
@@ -300,7 +411,9 @@ def _pod_spec(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
     return pod_spec
 
 
-def render_deployment(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
+def render_deployment(
+    cr: LLMDeployment, plan: Plan, config: OperatorConfig = DEFAULT_CONFIG
+) -> dict[str, Any]:
     name = cr.metadata.name
     annotations = {
         "prometheus.io/scrape": "true",
@@ -321,10 +434,11 @@ def render_deployment(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
                 "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
             },
             "revisionHistoryLimit": 3,
-            "progressDeadlineSeconds": startup_seconds(plan) + 300,
+            # The deadline covers the download (init container) and the load (startup probe).
+            "progressDeadlineSeconds": download_seconds(plan) + startup_seconds(plan) + 300,
             "template": {
                 "metadata": {"labels": child_labels(cr), "annotations": annotations},
-                "spec": _pod_spec(cr, plan),
+                "spec": _pod_spec(cr, plan, config),
             },
         },
     }
@@ -334,13 +448,15 @@ def content_hash(obj: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def render(cr: LLMDeployment, plan: Plan) -> list[dict[str, Any]]:
+def render(
+    cr: LLMDeployment, plan: Plan, config: OperatorConfig = DEFAULT_CONFIG
+) -> list[dict[str, Any]]:
     """All children, in apply order; each annotated with the hash of its own rendering so a
     later reconcile can tell whether what is live was made from the same intent."""
     objects = [
         render_configmap(cr, plan),
         render_service(cr),
-        render_deployment(cr, plan),
+        render_deployment(cr, plan, config),
         render_pdb(cr),
     ]
     for obj in objects:

@@ -67,8 +67,8 @@ def _plan_summary(plan: Plan) -> str:
     s = plan.status
     where = f"{s.gpu_count} x {s.gpu_type}" if s.gpu_count else "cpu"
     return (
-        f"{plan.arch.name} on {where} ({s.backend}): weights {s.weights_gib} GiB + KV cache "
-        f"{s.kv_cache_gib} GiB per device; {s.max_concurrent_tokens} tokens = "
+        f"{plan.arch.name} on {where} ({s.backend} on {s.device}): weights {s.weights_gib} GiB "
+        f"+ KV cache {s.kv_cache_gib} GiB per device; {s.max_concurrent_tokens} tokens = "
         f"{s.max_concurrent_sequences} sequences of {s.max_model_len}"
     )
 

@@ -272,3 +272,51 @@ async def test_unplannable_gets_planned_false_and_no_children(
         "Planned=True",
     )
     assert cr["status"]["plan"]["gpuCount"] == 4
+
+
+async def test_a_claim_two_replicas_cannot_share_is_refused_with_the_reason(
+    api: Any, start_operator: Any, eventually: Any
+) -> None:
+    """The reconciler reads the pvc:// source's claim: ReadWriteOnce attaches to one node, so
+    two replicas spread over nodes could never both start."""
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "weights", "namespace": "default"},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": "20Gi"}},
+        },
+    }
+    async with api.post(
+        "/api/v1/namespaces/default/persistentvolumeclaims", json=claim
+    ) as response:
+        assert response.status in (200, 201), await response.text()
+    await start_operator()
+    body = copy.deepcopy(SMOLLM2)
+    body["metadata"]["name"] = "on-claim"
+    body["spec"]["model"] = {
+        "name": "smollm2-135m",
+        "source": "pvc://weights/smollm2",
+        "architecture": "SmolLM2-135M",
+    }
+    await _create(api, body)
+    cr = await eventually(
+        lambda: _condition(api.get(CR, "on-claim"), "Planned") and api.get(CR, "on-claim"),
+        "the Planned condition",
+    )
+    planned = _condition(cr, "Planned")
+    assert (planned["status"], planned["reason"]) == ("False", "ClaimNotShareable")
+    assert "weights is ReadWriteOnce" in planned["message"]
+    assert all(child is None for child in _children(api, "on-claim").values())
+
+    # One replica can use it.
+    async with api.patch(
+        f"{CRS}/on-claim",
+        json={"spec": {"replicas": 1}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    ) as response:
+        assert response.status == 200
+    await eventually(lambda: all(_children(api, "on-claim").values()), "children with 1 replica")
+    deployment = api.get(DEPLOYMENTS, "on-claim-engine")
+    assert _arg(deployment, "--model") == "/models/smollm2"

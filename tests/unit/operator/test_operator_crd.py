@@ -14,6 +14,7 @@ import yaml
 from openapi_schema_validator import OAS30Validator
 
 from fleetllm.operator.api import parse_llmdeployment
+from fleetllm.operator.catalog import GPU_TYPES
 from fleetllm.operator.crd import crd, crd_yaml, reference_markdown
 from fleetllm.operator.planner import PlanError, plan
 
@@ -102,16 +103,10 @@ def test_the_crd_has_status_scale_and_printer_columns() -> None:
     assert columns[:5] == ["Model", "GPU", "TP", "Ready", "Desired"]
     assert columns[-1] == "Age"
     spec = _schema()["properties"]["spec"]
-    assert spec["properties"]["gpu"]["properties"]["type"]["enum"] == [
-        "L4",
-        "A10G",
-        "A100-40GB",
-        "A100-80GB",
-        "H100-80GB",
-        "H200",
-        "RTX4090",
-        "cpu",
-    ]
+    gpu = spec["properties"]["gpu"]["properties"]
+    assert gpu["type"]["enum"] == list(GPU_TYPES)
+    assert {"L40S", "T4", "H100-NVL", "GH200", "B200", "H200", "cpu"} <= set(GPU_TYPES)
+    assert gpu["nodeSelectorProfile"]["enum"] == ["none", "gfd", "gke", "karpenter"]
     assert spec["properties"]["engine"]["properties"]["backend"]["enum"] == ["builtin", "vllm"]
     assert "description" in spec["properties"]["maxModelLen"]
 

@@ -10,8 +10,13 @@ import pytest
 import yaml
 from openapi_schema_validator import OAS30Validator
 
-from fleetllm.cli import build_parser
-from fleetllm.operator.kube import RESOURCES
+from fleetllm.cli import build_parser, main
+from fleetllm.operator.cli import config_from_args
+from fleetllm.operator.config import ModelCache, OperatorConfig
+from fleetllm.operator.install import monitoring_objects, operator_objects
+from fleetllm.operator.kube import READ_ONLY_KINDS, RESOURCES
+from fleetllm.operator.reconciler import is_subset
+from fleetllm.operator.render import selector_labels
 
 ROOT = Path(__file__).resolve().parents[3]
 BASE = ROOT / "manifests" / "base"
@@ -53,7 +58,11 @@ def test_built_in_objects_are_valid(version: str) -> None:
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
         "Deployment",
+        "Service",
+        "PodDisruptionBudget",
     }
     for obj in builtin:
         kubernetes_validate.validate(obj, version, strict=True)
@@ -70,8 +79,45 @@ def test_the_peering_object_matches_its_crd() -> None:
     assert list(OAS30Validator(schema).iter_errors(peering)) == []
 
 
+def _deployment(component: str) -> dict[str, Any]:
+    (deployment,) = [
+        d
+        for d in _by_kind("Deployment")
+        if d["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
+    return deployment
+
+
+def _granted(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def _role(kind: str, name: str) -> dict[str, Any]:
+    (role,) = [r for r in _by_kind(kind) if r["metadata"]["name"] == name]
+    return role
+
+
+def test_the_checked_in_manifests_are_what_the_builders_make(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for part, path in (
+        ("base", BASE / "fleetllm.yaml"),
+        ("monitoring", ROOT / "manifests" / "monitoring" / "monitoring.yaml"),
+    ):
+        assert main(["manifests", part]) == 0
+        assert capsys.readouterr().out == path.read_text(), (
+            f"regenerate: fleetllm manifests {part} > {path.relative_to(ROOT)}"
+        )
+
+
 def test_the_operator_command_parses_and_uses_the_peering_object() -> None:
-    (deployment,) = _by_kind("Deployment")
+    deployment = _deployment("operator")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args([*container["command"][1:], *container["args"]])
     assert args.all_namespaces
@@ -81,22 +127,90 @@ def test_the_operator_command_parses_and_uses_the_peering_object() -> None:
     assert deployment["spec"]["replicas"] >= 2
 
 
+def test_operator_configuration_reaches_its_command() -> None:
+    config = OperatorConfig(gpu_profile="gke", model_cache=ModelCache("models", read_only=True))
+    (deployment,) = [o for o in operator_objects(config=config) if o["kind"] == "Deployment"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert config_from_args(args) == config
+
+
 def test_rbac_covers_every_resource_the_operator_touches() -> None:
-    (role,) = _by_kind("ClusterRole")
-    granted = {
-        (group, resource, verb)
-        for rule in role["rules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
+    granted = _granted(_role("ClusterRole", "fleetllm-operator"))
     for kind, ref in RESOURCES.items():
         group = ref.api_version.rpartition("/")[0]
-        verbs = {"get", "list", "watch", "patch"}
-        if kind != "LLMDeployment":
+        verbs = {"get"} if kind in READ_ONLY_KINDS else {"get", "list", "watch", "patch"}
+        if kind not in READ_ONLY_KINDS | {"LLMDeployment"}:
             verbs.add("create")  # server-side apply creates missing children
         for verb in verbs:
             assert (group, ref.plural, verb) in granted, (kind, verb)
     assert ("fleetllm.io", "llmdeployments/status", "patch") in granted
     assert ("", "events", "create") in granted
     assert ("kopf.dev", "clusterkopfpeerings", "patch") in granted
+    assert ("", "persistentvolumeclaims", "create") not in granted
+    assert not any(resource == "secrets" for _, resource, _ in granted)
+
+
+def test_the_router_runs_in_the_cluster_with_kubernetes_discovery_and_keys_from_a_secret() -> None:
+    deployment = _deployment("router")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert deployment["spec"]["replicas"] == 2
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert args.func.__module__ == "fleetllm.router.cli"
+    assert args.discovery == "kubernetes" and args.all_namespaces
+    assert container["ports"][0]["containerPort"] == args.port
+    secret_namespace, _, secret = args.api_keys_secret.partition("/")
+    assert secret_namespace == deployment["metadata"]["namespace"]
+    assert pod["serviceAccountName"] == "fleetllm-router"
+    assert pod["terminationGracePeriodSeconds"] > args.shutdown_timeout
+
+    (service,) = [s for s in _by_kind("Service") if s["metadata"]["name"] == "fleetllm-router"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"] == pod_labels
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    (pdb,) = _by_kind("PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"] == pod_labels
+    assert pdb["spec"]["minAvailable"] == 1
+
+    # Least privilege: discovery reads, scale-from-zero patches the scale subresource, and
+    # the one Secret by name in the router's own namespace.
+    granted = _granted(_role("ClusterRole", "fleetllm-router"))
+    assert granted == {
+        ("fleetllm.io", "llmdeployments", "get"),
+        ("fleetllm.io", "llmdeployments", "list"),
+        ("fleetllm.io", "llmdeployments", "watch"),
+        ("fleetllm.io", "llmdeployments/scale", "get"),
+        ("fleetllm.io", "llmdeployments/scale", "patch"),
+        ("discovery.k8s.io", "endpointslices", "get"),
+        ("discovery.k8s.io", "endpointslices", "list"),
+        ("discovery.k8s.io", "endpointslices", "watch"),
+    }
+    keys = _role("Role", "fleetllm-router")
+    assert keys["metadata"]["namespace"] == secret_namespace
+    assert keys["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [secret], "verbs": ["get"]}
+    ]
+    for kind, role_kind in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
+        binding = _role(kind, "fleetllm-router")
+        assert binding["roleRef"]["kind"] == role_kind
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "fleetllm-router", "namespace": secret_namespace}
+        ]
+
+
+def test_monitors_scrape_the_engines_and_the_router_on_their_http_ports() -> None:
+    pod_monitor, service_monitor = monitoring_objects()
+    assert pod_monitor["kind"] == "PodMonitor" and service_monitor["kind"] == "ServiceMonitor"
+    assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
+    engine_labels = selector_labels("any-name")
+    assert is_subset(pod_monitor["spec"]["selector"]["matchLabels"], engine_labels)
+    (endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+    router = _deployment("router")
+    assert (
+        service_monitor["spec"]["selector"]["matchLabels"]
+        == router["spec"]["template"]["metadata"]["labels"]
+    )
+    (endpoint,) = service_monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")

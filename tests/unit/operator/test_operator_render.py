@@ -128,9 +128,12 @@ def test_engine_pods_are_hardened_probed_and_drained(path: Path) -> None:
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
         pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
-        assert pre_stop[0] == "sleep"
+        # The drain hook, inline (vLLM's image has python3 but not fleetllm): settle, cap, port.
+        assert pre_stop[:2] == ["python3", "-c"]
+        settle, cap, port = (int(v) for v in pre_stop[3:])
+        assert (cap, port) == (cr.spec.engine.drain_seconds, 8000)
         grace = pod["terminationGracePeriodSeconds"]
-        assert grace > int(pre_stop[1]) + cr.spec.engine.drain_seconds
+        assert grace > settle + cap
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert {"/var/cache/fleetllm", "/tmp"} <= mounts
 
@@ -146,7 +149,7 @@ def test_gpu_pods_request_tensor_x_pipeline_gpus_on_the_right_nodes() -> None:
     resources = pod["containers"][0]["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == "4"
     assert resources["requests"]["nvidia.com/gpu"] == "4"
-    assert pod["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+    assert pod["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"  # gfd
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
         "tolerations"
     ]
@@ -159,7 +162,7 @@ def test_gpu_pods_request_tensor_x_pipeline_gpus_on_the_right_nodes() -> None:
     assert any(v["name"] == "dshm" and v["emptyDir"]["medium"] == "Memory" for v in pod["volumes"])
     container = pod["containers"][0]
     assert container["image"].startswith("vllm/vllm-openai:")
-    assert container["command"][-1] == "vllm.entrypoints.openai.api_server"
+    assert container["command"] == ["vllm", "serve"]
 
 
 def test_cpu_pods_have_no_gpu_and_use_the_builtin_engine() -> None:

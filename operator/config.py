@@ -1,0 +1,37 @@
+"""The operator's own configuration: facts about the cluster it manages that no
+LLMDeployment states (`fleetllm operator run` flags; `fleetllm plan` and `render` take the same).
+Pure data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleetllm.operator.catalog import GPU_PROFILES
+
+
+@dataclass(frozen=True)
+class ModelCache:
+    """A PersistentVolumeClaim, present in every namespace that holds LLMDeployments, that
+    keeps downloaded weights across restarts and replicas: each model is pulled into it once.
+    It must be ReadWriteMany, or ReadOnlyMany and filled beforehand (`fleetllm model pull`)."""
+
+    claim_name: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    gpu_profile: str = "none"
+    """Which node labels select a GPU type (catalog.GPU_PROFILES); an LLMDeployment's
+    gpu.nodeSelectorProfile overrides it."""
+    model_cache: ModelCache | None = None
+    """Where hf:// and s3:// weights go; None: an emptyDir per pod, pulled on every start."""
+
+    def __post_init__(self) -> None:
+        if self.gpu_profile not in GPU_PROFILES:
+            raise ValueError(
+                f"unknown GPU profile {self.gpu_profile!r}; one of {', '.join(GPU_PROFILES)}"
+            )
+
+
+DEFAULT_CONFIG = OperatorConfig()

@@ -212,20 +212,16 @@ def _pull(args: argparse.Namespace) -> int:
     import logging
 
     from fleetllm.engine.pull import PullError, Settings, pull
-    from fleetllm.router.cli import JsonFormatter
+    from fleetllm.logs import configure_logging
 
     if args.timeout <= 0 or args.attempts < 1:
         raise ValueError("--timeout must be positive and --attempts at least 1")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    configure_logging("info")
     try:
         settings = Settings(timeout=args.timeout, attempts=args.attempts, read_only=args.read_only)
         pull(args.source, Path(args.dir), settings)
     except PullError as exc:
-        logging.getLogger("fleetllm.pull").error(
-            "pull failed", extra={"fields": {"error": str(exc)}}
-        )
+        logging.getLogger("fleetllm.pull").error("pull failed", extra={"error": str(exc)})
         print(f"fleetllm: model pull: {exc}", file=sys.stderr)
         return 1
     return 0

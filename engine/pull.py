@@ -351,7 +351,7 @@ def _retrying(what: str, settings: Settings, action: Callable[[], Any]) -> Any:
             if attempt == settings.attempts:
                 raise PullError(f"{what}: gave up after {attempt} tries: {exc}") from None
             error = f"{type(exc).__name__}: {exc}"
-        log.warning("retrying", extra={"fields": {"what": what, "try": attempt, "error": error}})
+        log.warning("retrying", extra={"what": what, "try": attempt, "error": error})
         time.sleep(delay)
         delay = min(30.0, delay * 2)
     raise AssertionError("unreachable")
@@ -400,7 +400,7 @@ class _Progress:
         }
         if self.total:
             fields["percent"] = round(100 * done / self.total, 1)
-        log.info("pulled" if final else "progress", extra={"fields": fields})
+        log.info("pulled" if final else "progress", extra=fields)
 
 
 def download(file: RemoteFile, target: Path, headers: Headers, settings: Settings) -> None:
@@ -424,7 +424,7 @@ def download(file: RemoteFile, target: Path, headers: Headers, settings: Setting
             return
         ranged = {"Range": f"bytes={have}-"} if have else {}
         if have:
-            log.info("resuming", extra={"fields": {"file": file.name, "from_bytes": have}})
+            log.info("resuming", extra={"file": file.name, "from_bytes": have})
         with _open(file.url, ranged, headers(file.url), settings.timeout) as response:
             if have and response.status != 206:
                 # The server ignored the range: start over.
@@ -487,7 +487,7 @@ def pull(source: str, folder: Path, settings: Settings | None = None) -> Path:
     settings = settings or Settings()
     scheme, location, revision = parse_source(source)
     if scheme in ("pvc", "builtin"):
-        log.info("nothing to pull", extra={"fields": {"source": source}})
+        log.info("nothing to pull", extra={"source": source})
         return folder
     canonical = f"hf://{location}" if scheme == "hf" else f"s3://{location}"
     marker = _read_marker(folder)
@@ -496,7 +496,7 @@ def pull(source: str, folder: Path, settings: Settings | None = None) -> Path:
         (pinned and (scheme == "s3" or marker.get("commit") == revision))  # type: ignore[union-attr]
         or settings.read_only
     ):
-        log.info("already pulled", extra={"fields": {"source": source, "folder": str(folder)}})
+        log.info("already pulled", extra={"source": source, "folder": str(folder)})
         return folder
     if settings.read_only:
         raise PullError(
@@ -508,9 +508,7 @@ def pull(source: str, folder: Path, settings: Settings | None = None) -> Path:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info(
-                "waiting for another pull of this folder", extra={"fields": {"folder": str(folder)}}
-            )
+            log.info("waiting for another pull of this folder", extra={"folder": str(folder)})
             fcntl.flock(lock, fcntl.LOCK_EX)
         return _pull_locked(source, scheme, location, revision, canonical, folder, settings)
 
@@ -534,7 +532,7 @@ def _pull_locked(
         if _complete(marker, canonical):
             log.warning(
                 "cannot reach the source; using the folder's complete earlier pull",
-                extra={"fields": {"source": source, "error": str(exc)}},
+                extra={"source": source, "error": str(exc)},
             )
             return folder
         raise
@@ -550,13 +548,11 @@ def _pull_locked(
     log.info(
         "pulling",
         extra={
-            "fields": {
-                "source": source,
-                "revision": listing.revision,
-                "files": len(listing.files),
-                "bytes": total,
-                "folder": str(folder),
-            }
+            "source": source,
+            "revision": listing.revision,
+            "files": len(listing.files),
+            "bytes": total,
+            "folder": str(folder),
         },
     )
     done: dict[str, Any] = {}
@@ -594,12 +590,10 @@ def _pull_locked(
     log.info(
         "pull complete",
         extra={
-            "fields": {
-                "source": source,
-                "bytes": total,
-                "seconds": round(time.monotonic() - started, 1),
-                "folder": str(folder),
-            }
+            "source": source,
+            "bytes": total,
+            "seconds": round(time.monotonic() - started, 1),
+            "folder": str(folder),
         },
     )
     return folder

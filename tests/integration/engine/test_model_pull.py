@@ -188,8 +188,9 @@ def _shards(hub: Hub) -> list[str]:
 
 
 def _messages(caplog: pytest.LogCaptureFixture) -> list[tuple[str, dict[str, Any]]]:
+    standard = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
     return [
-        (r.getMessage(), getattr(r, "fields", {}))
+        (r.getMessage(), {k: v for k, v in r.__dict__.items() if k not in standard})
         for r in caplog.records
         if r.name == "fleetllm.pull"
     ]

@@ -1,14 +1,16 @@
 """Who may send requests: API keys from their source (a file, reloaded on change, or a
-Kubernetes Secret, read again every 30 s), and per-key rate limits. The parsing, the key store
-and the token buckets are pure (`fleetllm.router.auth`); this module runs them."""
+Kubernetes Secret, read again every 30 s), per-key rate limits and per-key caps on requests
+open at once. The parsing, the key store and the token buckets are pure
+(`fleetllm.router.auth`); this module runs them."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 from fleetllm.router.auth import ApiKey, KeyStore, RateLimiter, bearer_token, parse_keys
@@ -30,6 +32,7 @@ class Access:
         keys_loader: KeysLoader | None = None,
         default_rpm: int | None = None,
         default_tpm: int | None = None,
+        default_concurrency: int | None = None,
     ) -> None:
         self.keys = KeyStore()
         self.limiter = RateLimiter()
@@ -37,6 +40,9 @@ class Access:
         self.keys_loader = keys_loader
         self.default_rpm = default_rpm
         self.default_tpm = default_tpm
+        self.default_concurrency = default_concurrency
+        self.open: dict[str, int] = {}
+        """Requests open now, per key name."""
         self._tasks: list[asyncio.Task[None]] = []
         if keys_file is not None:
             self._load_keys_file()
@@ -63,8 +69,18 @@ class Access:
             raise RouterError(401, "Incorrect or missing API key.")
         return key
 
-    def admit(self, key: ApiKey) -> None:
-        """Take one request from the key's budget; raises 429 when it has none left."""
+    @contextlib.contextmanager
+    def admitted(self, key: ApiKey) -> Iterator[None]:
+        """Hold one of the key's concurrent requests and take one request from its budget,
+        for the duration of the block; raises 429 when either is used up."""
+        open_now = self.open.get(key.name, 0)
+        if key.max_concurrent is not None and open_now >= key.max_concurrent:
+            raise RouterError(
+                429,
+                f"API key {key.name} has {open_now} requests open, its limit; "
+                "try again when one has finished.",
+                headers={"Retry-After": "1"},
+            )
         wait = self.limiter.admit(key, time.monotonic())
         if wait is not None:
             raise RouterError(
@@ -72,6 +88,15 @@ class Access:
                 f"Rate limit reached for API key {key.name}; try again later.",
                 headers={"Retry-After": str(max(1, math.ceil(wait)))},
             )
+        self.open[key.name] = open_now + 1
+        try:
+            yield
+        finally:
+            left = self.open[key.name] - 1
+            if left:
+                self.open[key.name] = left
+            else:
+                del self.open[key.name]
 
     def charge_tokens(self, key: ApiKey, tokens: int) -> None:
         self.limiter.charge_tokens(key, tokens, time.monotonic())
@@ -86,7 +111,9 @@ class Access:
             raise FileNotFoundError(f"{self.keys_file}: no such file") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"{self.keys_file}: cannot read: {exc}") from None
-        keys = parse_keys(text, self.default_rpm, self.default_tpm, str(self.keys_file))
+        keys = parse_keys(
+            text, self.default_rpm, self.default_tpm, str(self.keys_file), self.default_concurrency
+        )
         self.keys.replace(keys)
 
     async def _watch_keys_file(self) -> None:

@@ -10,15 +10,18 @@ import yaml
 from aiohttp import web
 
 from fleetllm.router.auth import bearer_token
+from fleetllm.router.body import read_body
+from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import parse_static_fleet
 from fleetllm.router.errors import RouterError
 from fleetllm.router.pool import ReplicaPool
 
 
 class AdminApi:
-    def __init__(self, admin_key: str, pool: ReplicaPool) -> None:
+    def __init__(self, admin_key: str, pool: ReplicaPool, settings: RouterSettings) -> None:
         self.admin_key = admin_key
         self.pool = pool
+        self.settings = settings
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/admin/fleet", self.handle_get)
@@ -54,8 +57,11 @@ class AdminApi:
 
     async def handle_put(self, request: web.Request) -> web.Response:
         self._check_key(request)
+        body = await read_body(
+            request, self.settings.max_body_bytes, self.settings.client_body_timeout
+        )
         try:
-            doc = yaml.safe_load(await request.text())
+            doc = yaml.safe_load(body.decode("utf-8"))
             fleet = parse_static_fleet(doc, "request body")
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise RouterError(400, f"The body is not YAML or JSON: {exc}") from None

@@ -4,8 +4,8 @@ Keys come from a file (reloaded on change) or a Kubernetes Secret (one key per d
 Only SHA-256 digests are kept, and a presented key is compared with every digest in constant
 time, so neither a key nor which key matched leaks through timing. Limits are token buckets:
 requests per minute, and tokens per minute charged after each response from its `usage`
-(or an estimate where the response has none); a key whose token bucket is empty waits until
-it refills.
+(or an estimate where the response has none, or the client went away first); a key whose
+token bucket is empty waits until it refills. A key may also cap its requests open at once.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class ApiKey:
     digest: bytes
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
 
 
 def digest(secret: str) -> bytes:
@@ -45,9 +46,10 @@ def parse_keys(
     default_rpm: int | None = None,
     default_tpm: int | None = None,
     where: str = "keys file",
+    default_concurrency: int | None = None,
 ) -> list[ApiKey]:
     """Either one key per line (`#` starts a comment), or YAML:
-    `keys: [{name, key, requestsPerMinute, tokensPerMinute}, ...]`."""
+    `keys: [{name, key, requestsPerMinute, tokensPerMinute, maxConcurrentRequests}, ...]`."""
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -65,19 +67,24 @@ def parse_keys(
                 raise ValueError(f"{at}: the key is empty")
             rpm = _limit(entry.get("requestsPerMinute"), "requestsPerMinute", at)
             tpm = _limit(entry.get("tokensPerMinute"), "tokensPerMinute", at)
+            cap = _limit(entry.get("maxConcurrentRequests"), "maxConcurrentRequests", at)
             keys.append(
                 ApiKey(
                     name=str(entry.get("name") or f"key-{index}"),
                     digest=digest(entry["key"].strip()),
                     requests_per_minute=rpm if rpm is not None else default_rpm,
                     tokens_per_minute=tpm if tpm is not None else default_tpm,
+                    max_concurrent=cap if cap is not None else default_concurrency,
                 )
             )
     else:
         for number, line in enumerate(text.splitlines(), start=1):
             secret = line.split("#", 1)[0].strip()
             if secret:
-                keys.append(ApiKey(f"key-{number}", digest(secret), default_rpm, default_tpm))
+                name = f"key-{number}"
+                keys.append(
+                    ApiKey(name, digest(secret), default_rpm, default_tpm, default_concurrency)
+                )
     names = [k.name for k in keys]
     if len(set(names)) != len(names):
         raise ValueError(f"{where}: key names must be unique")
@@ -85,7 +92,10 @@ def parse_keys(
 
 
 def keys_from_secret(
-    secret: dict[str, Any], default_rpm: int | None = None, default_tpm: int | None = None
+    secret: dict[str, Any],
+    default_rpm: int | None = None,
+    default_tpm: int | None = None,
+    default_concurrency: int | None = None,
 ) -> list[ApiKey]:
     """One key per data entry of a Kubernetes Secret; the entry's name names the key."""
     keys = []
@@ -95,7 +105,7 @@ def keys_from_secret(
         except (binascii.Error, UnicodeDecodeError, TypeError):
             raise ValueError(f"Secret entry {name!r} is not base64 of UTF-8 text") from None
         if value:
-            keys.append(ApiKey(name, digest(value), default_rpm, default_tpm))
+            keys.append(ApiKey(name, digest(value), default_rpm, default_tpm, default_concurrency))
     return keys
 
 

@@ -8,10 +8,13 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleetllm.logs import configure_logging
 from fleetllm.router.config import STRATEGIES, RouterSettings
+
+if TYPE_CHECKING:
+    from fleetllm.router.server import Router
 
 ADMIN_KEY_ENV = "FLEETLLM_ROUTER_ADMIN_KEY"
 UPSTREAM_KEY_ENV = "FLEETLLM_UPSTREAM_API_KEY"
@@ -115,6 +118,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="requests held per model while it has no ready replica",
     )
     g.add_argument("--hold-timeout", type=float, default=d.hold_timeout)
+    g.add_argument(
+        "--hold-queue-bytes",
+        type=int,
+        default=d.hold_queue_bytes,
+        help="request bytes held per model, together (default: %(default)s)",
+    )
 
     g = p.add_argument_group("security")
     g.add_argument(
@@ -130,7 +139,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--rate-limit-rpm", type=int, help="default requests per minute per key")
     g.add_argument("--rate-limit-tpm", type=int, help="default tokens per minute per key")
+    g.add_argument(
+        "--max-concurrent-per-key",
+        type=int,
+        help="default requests one key may have open at once",
+    )
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    g.add_argument(
+        "--client-header-timeout",
+        type=float,
+        default=d.client_header_timeout,
+        help="seconds a connection gets to send a request's headers (also the idle keep-alive "
+        "time; default: %(default)s)",
+    )
+    g.add_argument(
+        "--client-body-timeout",
+        type=float,
+        default=d.client_body_timeout,
+        help="seconds a request's body gets to arrive (default: %(default)s)",
+    )
 
     g = p.add_argument_group("process")
     g.add_argument(
@@ -164,8 +191,11 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         backoff_max=args.backoff_max,
         hold_queue_size=args.hold_queue_size,
         hold_timeout=args.hold_timeout,
+        hold_queue_bytes=args.hold_queue_bytes,
         scrape_interval=args.scrape_interval,
         max_body_bytes=args.max_body_bytes,
+        client_header_timeout=args.client_header_timeout,
+        client_body_timeout=args.client_body_timeout,
         upstream_api_key=args.upstream_api_key or None,
     )
 
@@ -179,7 +209,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
 
     settings = settings_from_args(args)
-    for flag in ("rate_limit_rpm", "rate_limit_tpm"):
+    for flag in ("rate_limit_rpm", "rate_limit_tpm", "max_concurrent_per_key"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
@@ -210,7 +240,9 @@ def _serve(args: argparse.Namespace) -> int:
 
         async def keys_loader() -> Any:
             secret = await client.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}")
-            return keys_from_secret(secret, args.rate_limit_rpm, args.rate_limit_tpm)
+            return keys_from_secret(
+                secret, args.rate_limit_rpm, args.rate_limit_tpm, args.max_concurrent_per_key
+            )
 
     router = Router(
         settings,
@@ -219,6 +251,7 @@ def _serve(args: argparse.Namespace) -> int:
         keys_loader=keys_loader,
         default_rpm=args.rate_limit_rpm,
         default_tpm=args.rate_limit_tpm,
+        default_concurrency=args.max_concurrent_per_key,
         admin_key=args.admin_key or None,
         log_requests=not args.no_request_log,
     )
@@ -233,17 +266,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def serve(router: Any, host: str, port: int, shutdown_timeout: float = 30.0) -> None:
+async def serve(router: Router, host: str, port: int, shutdown_timeout: float = 30.0) -> None:
     """Serve until SIGTERM or SIGINT; then stop accepting, let requests in flight finish (up
     to `shutdown_timeout`), and return."""
     from aiohttp import web
 
-    runner = web.AppRunner(
-        router.app(),
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=shutdown_timeout,
-    )
+    runner = router.runner(shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()

@@ -39,6 +39,8 @@ class RouterSettings:
 
     # Holding while a model has no ready replica.
     hold_queue_size: int = 256
+    hold_queue_bytes: int = 64 * 1024 * 1024
+    """The request bodies held per model, together (each is kept in memory while it waits)."""
     hold_timeout: float = 60.0
     demand_interval: float = 5.0
     """Least time between two demand signals for one model."""
@@ -47,6 +49,11 @@ class RouterSettings:
     scrape_timeout: float = 2.0
 
     max_body_bytes: int = 16 * 1024 * 1024
+    client_header_timeout: float = 60.0
+    """A client connection must deliver a request's headers within this many seconds of
+    opening or of its previous answer (also how long an idle keep-alive connection stays)."""
+    client_body_timeout: float = 60.0
+    """The whole request body must arrive within this many seconds of its headers."""
     upstream_api_key: str | None = None
     """Sent to the replicas as a bearer token (engines started with --api-key)."""
 
@@ -62,9 +69,12 @@ class RouterSettings:
             "max attempts": self.max_attempts >= 1,
             "retry window": self.retry_window >= 0,
             "hold queue size": self.hold_queue_size >= 0,
+            "hold queue bytes": self.hold_queue_bytes >= 0,
             "hold timeout": self.hold_timeout >= 0,
             "scrape interval": self.scrape_interval > 0,
             "max body bytes": self.max_body_bytes >= 1024,
+            "client header timeout": self.client_header_timeout > 0,
+            "client body timeout": self.client_body_timeout > 0,
             "backoff": 0 < self.backoff_base <= self.backoff_max,
         }
         bad = [name for name, ok in checks.items() if not ok]

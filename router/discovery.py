@@ -68,10 +68,19 @@ class Discovery(Protocol):
 # -- static ----------------------------------------------------------------------------------
 
 
+def has_credentials(url: str) -> bool:
+    """Whether a URL carries a user or password (`http://user:secret@host`): replica URLs
+    never may, since they appear in metric labels, logs and the admin endpoint."""
+    return "@" in urlsplit(url).netloc
+
+
 def normalize_url(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{where}: a replica URL must be a string, got {value!r}")
     parts = urlsplit(value.strip())
+    if has_credentials(value.strip()):
+        # Not echoed: the message reaches logs and HTTP answers.
+        raise ValueError(f"{where}: a replica URL must not carry credentials (user@ or :password@)")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{where}: {value!r} is not an http(s)://host:port URL")
     if parts.path not in ("", "/") or parts.query or parts.fragment:

@@ -1,7 +1,8 @@
 """Holding requests while a model has no ready replica (scale from zero, a replica restarting).
 
-Each model has one bounded FIFO queue. A held request waits until its model has a replica
-again, its hold timeout passes, or the queue was already full when it arrived. Waiters are
+Each model has one FIFO queue, bounded in requests and in the bytes of their bodies (which a
+held request keeps in memory). A held request waits until its model has a replica again, its
+hold timeout passes, or the queue was already full when it arrived. Waiters are
 woken in arrival order; since nothing tells the queue when a replica's passive-failure backoff
 ends, waiters also look again every `recheck` seconds.
 """
@@ -22,16 +23,19 @@ class HoldRejected(Exception):
 
 
 class _Waiter:
-    __slots__ = ("future",)
+    __slots__ = ("future", "size")
 
-    def __init__(self, future: asyncio.Future[None]) -> None:
+    def __init__(self, future: asyncio.Future[None], size: int) -> None:
         self.future = future
+        self.size = size
 
 
 class HoldQueue:
-    def __init__(self, max_size: int, recheck: float = 0.5) -> None:
+    def __init__(self, max_size: int, max_bytes: int | None = None, recheck: float = 0.5) -> None:
         self.max_size = max_size
+        self.max_bytes = max_bytes
         self.recheck = recheck
+        self.bytes = 0
         self._waiters: deque[_Waiter] = deque()
 
     def __len__(self) -> int:
@@ -43,18 +47,21 @@ class HoldQueue:
             if not waiter.future.done():
                 waiter.future.set_result(None)
 
-    async def hold(self, ready: Callable[[], bool], timeout: float) -> None:
-        """Return once `ready()` is true; raise HoldRejected when the queue is full or the
-        timeout passes first."""
+    async def hold(self, ready: Callable[[], bool], timeout: float, size: int = 0) -> None:
+        """Return once `ready()` is true; raise HoldRejected when the queue is full (in
+        requests, or in bytes with this request's `size` added) or the timeout passes first."""
         if ready():
             return
-        if len(self._waiters) >= self.max_size:
+        if len(self._waiters) >= self.max_size or (
+            self.max_bytes is not None and self.bytes + size > self.max_bytes
+        ):
             raise HoldRejected("full")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         # One entry per request for its whole stay keeps the queue in arrival order.
-        waiter = _Waiter(loop.create_future())
+        waiter = _Waiter(loop.create_future(), size)
         self._waiters.append(waiter)
+        self.bytes += size
         try:
             while not ready():
                 remaining = deadline - loop.time()
@@ -65,3 +72,4 @@ class HoldQueue:
                 await asyncio.wait({waiter.future}, timeout=min(remaining, self.recheck))
         finally:
             self._waiters.remove(waiter)
+            self.bytes -= size

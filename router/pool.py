@@ -19,7 +19,13 @@ from typing import Any
 import aiohttp
 
 from fleetllm.router.config import RouterSettings
-from fleetllm.router.discovery import Discovery, Fleet, ModelRoute, discovery_summary
+from fleetllm.router.discovery import (
+    Discovery,
+    Fleet,
+    ModelRoute,
+    discovery_summary,
+    has_credentials,
+)
 from fleetllm.router.holding import HoldQueue
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.replicas import Replica
@@ -45,6 +51,8 @@ class PooledReplica:
     inflight: Any
     up: Any
     scraper: asyncio.Task[None] | None = None
+    removed: bool = False
+    """Out of the pool: its series are gone and nothing may create them again."""
 
 
 class ModelPool:
@@ -53,7 +61,7 @@ class ModelPool:
     def __init__(self, route: ModelRoute, settings: RouterSettings) -> None:
         self.name = route.name
         self.replicas: dict[str, PooledReplica] = {}
-        self.hold = HoldQueue(settings.hold_queue_size)
+        self.hold = HoldQueue(settings.hold_queue_size, settings.hold_queue_bytes)
         self.turn = 0
         self.last_demand = -math.inf
         self.removed = False
@@ -121,11 +129,12 @@ class Lease:
 
     def release(self, outcome: str) -> None:
         """The attempt is over; `outcome` is the replica's HTTP status, or `error`."""
+        self.replica.in_flight -= 1
+        if self.pooled is None or self.pooled.removed:
+            return
+        self.pooled.inflight.dec()
         metrics = self._pool.metrics
         metrics.child(metrics.upstream, self.model.name, self.replica.url, outcome).inc()
-        self.replica.in_flight -= 1
-        if self.pooled is not None:
-            self.pooled.inflight.dec()
 
 
 class ReplicaPool:
@@ -180,7 +189,9 @@ class ReplicaPool:
                 model = self.models[name] = ModelPool(route, self.settings)
             else:
                 model.configure(route, self.settings)
-            wanted = {ref.url: ref for ref in route.replicas}
+            if any(has_credentials(ref.url) for ref in route.replicas):
+                log.error("model %s: replica URLs with credentials are ignored", name)
+            wanted = {ref.url: ref for ref in route.replicas if not has_credentials(ref.url)}
             for url in list(model.replicas):
                 if url not in wanted:
                     self._drop_replica(model, url)
@@ -206,11 +217,14 @@ class ReplicaPool:
 
     def _drop_replica(self, model: ModelPool, url: str) -> None:
         pooled = model.replicas.pop(url)
+        pooled.removed = True
         if pooled.scraper is not None:
             pooled.scraper.cancel()
         self.metrics.forget_replica(model.name, url)
 
     def refresh_up(self, model: ModelPool, pooled: PooledReplica) -> None:
+        if pooled.removed:
+            return
         up = pooled.replica.available(time.monotonic())
         pooled.up.set(1 if up else 0)
         if up and len(model.hold):
@@ -268,9 +282,9 @@ class ReplicaPool:
     def acquire(self, model: ModelPool, replica: Replica) -> Lease:
         return Lease(self, model, replica)
 
-    async def wait_for_replica(self, model: ModelPool, deadline: float) -> None:
-        """Hold until the model has a ready replica (raises HoldRejected), asking its
-        discovery source for capacity meanwhile."""
+    async def wait_for_replica(self, model: ModelPool, deadline: float, size: int) -> None:
+        """Hold a request of `size` bytes until the model has a ready replica (raises
+        HoldRejected), asking its discovery source for capacity meanwhile."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         self._signal_demand(model)
@@ -280,6 +294,7 @@ class ReplicaPool:
             await model.hold.hold(
                 lambda: model.removed or model.has_available(),
                 min(self.settings.hold_timeout, max(0.0, deadline - start)),
+                size,
             )
         finally:
             held.dec()

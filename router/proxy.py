@@ -25,6 +25,7 @@ from aiohttp import web
 from fleetllm.errors import error_json
 from fleetllm.router.access import Access
 from fleetllm.router.auth import ApiKey
+from fleetllm.router.body import read_body
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldRejected
@@ -47,7 +48,8 @@ PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # A stream that sends this much before its first token is relayed as it is.
 MAX_PREAMBLE_BYTES = 1 << 20
 RETRY_AFTER_SECONDS = 5
-CLIENT_CLOSED = "499"
+CLIENT_CLOSED = 499
+"""The status of a request whose client went away before its answer was complete (nginx's)."""
 
 
 class _ClientGone(Exception):
@@ -75,6 +77,7 @@ class _Context:
         "arrival",
         "attempts",
         "body",
+        "client_gone",
         "first_byte",
         "held",
         "key",
@@ -103,7 +106,9 @@ class _Context:
         self.held = 0.0
         self.first_byte: float | None = None
         self.stream_error = False
+        self.client_gone = False
         self.tokens = 0
+        """Tokens to charge to the key's budget (usage, else an estimate), once known."""
 
 
 class Proxy:
@@ -153,24 +158,20 @@ class Proxy:
             self._finish(ctx, exc.status)
             raise
         except asyncio.CancelledError:
-            # The client went away before its answer was complete (nginx's 499).
-            if ctx.routed:
-                self.metrics.child(self.metrics.requests, ctx.model, CLIENT_CLOSED).inc()
+            ctx.client_gone = True
+            self._finish(ctx, CLIENT_CLOSED)
             raise
         if not response.prepared:
             response.headers["X-Request-Id"] = ctx.request_id
-        self._finish(ctx, response.status)
+        self._finish(ctx, CLIENT_CLOSED if ctx.client_gone else response.status)
         return response
 
     async def _serve(self, ctx: _Context) -> web.StreamResponse:
         request = ctx.request
         ctx.key = self.access.authenticate(request.headers.get("Authorization"))
-        if (request.content_length or 0) > self.settings.max_body_bytes:
-            raise self._too_large()
-        try:
-            ctx.body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise self._too_large() from None
+        ctx.body = await read_body(
+            request, self.settings.max_body_bytes, self.settings.client_body_timeout
+        )
         try:
             payload = json.loads(ctx.body)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -185,18 +186,14 @@ class Proxy:
         if model is None:
             raise RouterError(404, f"The model `{name}` does not exist.", "model")
         ctx.model = name
-        if ctx.key is not None:
-            self.access.admit(ctx.key)
-        ctx.routed = True
-        return await self._route(model, ctx)
-
-    def _too_large(self) -> RouterError:
-        return RouterError(
-            413, f"The body exceeds the limit of {self.settings.max_body_bytes} bytes."
-        )
+        admitted = self.access.admitted(ctx.key) if ctx.key else contextlib.nullcontext()
+        with admitted:
+            ctx.routed = True
+            return await self._route(model, ctx)
 
     def _finish(self, ctx: _Context, status: int) -> None:
-        """Account for an answer: metrics, the key's token budget, the request's log line."""
+        """Account for an answer (or a client that left first): metrics, the key's token
+        budget, the request's log line."""
         elapsed = asyncio.get_running_loop().time() - ctx.arrival
         m = self.metrics
         m.child(m.requests, ctx.model, str(status)).inc()
@@ -204,8 +201,11 @@ class Proxy:
             m.child(m.duration, ctx.model).observe(elapsed)
             if ctx.routed and ctx.first_byte is None:
                 m.child(m.first_byte, ctx.model).observe(elapsed)
-        if ctx.key is not None and ctx.tokens:
-            self.access.charge_tokens(ctx.key, ctx.tokens)
+        if ctx.key is not None and ctx.key.tokens_per_minute is not None:
+            tokens = ctx.tokens
+            if not tokens and ctx.client_gone and ctx.attempts:
+                tokens = len(ctx.body) // 4  # a replica had the prompt before the client left
+            self.access.charge_tokens(ctx.key, tokens)
         if self.log_requests and log.isEnabledFor(logging.INFO):
             fields: dict[str, Any] = {
                 "id": ctx.request_id,
@@ -246,7 +246,7 @@ class Proxy:
             else:
                 held_from = loop.time()
                 try:
-                    await self.pool.wait_for_replica(model, deadline)
+                    await self.pool.wait_for_replica(model, deadline, len(ctx.body))
                 except HoldRejected as exc:
                     ctx.held += loop.time() - held_from
                     if failure is not None and exc.reason == "timeout":
@@ -369,6 +369,7 @@ class Proxy:
         try:
             await out.prepare(ctx.request)
         except ConnectionResetError:
+            ctx.client_gone = True
             return out
         ctx.first_byte = loop.time()
         self.metrics.child(self.metrics.first_byte, lease.model.name).observe(
@@ -407,9 +408,12 @@ class Proxy:
             with contextlib.suppress(_ClientGone):
                 await _write(out, error_event(message))
         except _ClientGone:
+            ctx.client_gone = True
             return out
-        if count_tokens:
-            ctx.tokens = usage_tokens_sse(tail) or len(ctx.body) // 4 + events
+        finally:
+            # Also when the client leaves (its handler is cancelled): what was relayed counts.
+            if count_tokens:
+                ctx.tokens = usage_tokens_sse(tail) or len(ctx.body) // 4 + events
         with contextlib.suppress(ConnectionResetError):
             await out.write_eof()
         return out

@@ -30,6 +30,11 @@ from fleetllm.version import __version__
 
 log = logging.getLogger("fleetllm.router")
 
+# After an answer given before its request's body was read (413, 408), the rest of the body
+# is read and dropped for this long (so that the client sees the answer, not a reset), then
+# the connection is closed.
+LINGER_SECONDS = 1.0
+
 
 class Router:
     """The routing state and its HTTP endpoints. `app()` wraps it in an aiohttp application."""
@@ -43,6 +48,7 @@ class Router:
         keys_loader: KeysLoader | None = None,
         default_rpm: int | None = None,
         default_tpm: int | None = None,
+        default_concurrency: int | None = None,
         admin_key: str | None = None,
         log_requests: bool = True,
     ) -> None:
@@ -55,9 +61,10 @@ class Router:
             keys_loader=keys_loader,
             default_rpm=default_rpm,
             default_tpm=default_tpm,
+            default_concurrency=default_concurrency,
         )
         self.proxy = Proxy(settings, self.pool, self.access, self.metrics, log_requests)
-        self.admin = AdminApi(admin_key, self.pool) if admin_key else None
+        self.admin = AdminApi(admin_key, self.pool, settings) if admin_key else None
         self.stopping = False
         self.created = int(time.time())
         self._session: aiohttp.ClientSession | None = None
@@ -126,6 +133,19 @@ class Router:
         app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         return app
+
+    def runner(self, shutdown_timeout: float = 30.0) -> web.AppRunner:
+        """The application's runner: a client is cut off when its headers are late (aiohttp
+        closes a connection that has no complete request when its keep-alive time passes,
+        which starts at the connection's opening and at each answer's end)."""
+        return web.AppRunner(
+            self.app(),
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=self.settings.client_header_timeout,
+            lingering_time=LINGER_SECONDS,
+            shutdown_timeout=shutdown_timeout,
+        )
 
     async def handle_unknown(self, request: web.Request) -> web.Response:
         for route in request.app.router.routes():

@@ -176,7 +176,7 @@ async def serve_router(
 ) -> AsyncIterator[tuple[Router, str]]:
     """The real router in this process and event loop, on a free port."""
     router = Router(settings or RouterSettings(), discovery or StaticDiscovery(None), **kwargs)
-    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    runner = router.runner()
     await runner.setup()
     port = free_port()
     site = web.TCPSite(runner, "127.0.0.1", port)

@@ -35,6 +35,16 @@ def test_yaml_file_with_per_key_limits_and_defaults() -> None:
     assert (bob.name, bob.requests_per_minute, bob.tokens_per_minute) == ("bob", 60, 1000)
 
 
+def test_concurrency_caps_per_key_and_by_default() -> None:
+    text = "keys:\n  - {name: a, key: sk-a, maxConcurrentRequests: 3}\n  - {name: b, key: sk-b}\n"
+    a, b = parse_keys(text, default_concurrency=8)
+    assert (a.max_concurrent, b.max_concurrent) == (3, 8)
+    assert parse_keys("sk-x\n", default_concurrency=2)[0].max_concurrent == 2
+    assert parse_keys("sk-x\n")[0].max_concurrent is None
+    secret = {"data": {"t": base64.b64encode(b"sk-t").decode()}}
+    assert keys_from_secret(secret, default_concurrency=4)[0].max_concurrent == 4
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -43,6 +53,8 @@ def test_yaml_file_with_per_key_limits_and_defaults() -> None:
         ("keys:\n  - {key: '  '}", "empty"),
         ("keys:\n  - {key: a, requestsPerMinute: 0}", "positive integer"),
         ("keys:\n  - {key: a, tokensPerMinute: many}", "positive integer"),
+        ("keys:\n  - {key: a, maxConcurrentRequests: 0}", "maxConcurrentRequests must be"),
+        ("keys:\n  - {key: a, maxConcurrentRequests: true}", "maxConcurrentRequests must be"),
         ("keys:\n  - {name: x, key: a}\n  - {name: x, key: b}", "unique"),
     ],
 )

@@ -67,6 +67,17 @@ def test_bad_static_fleets_are_refused_with_the_place(doc: Any, message: str) ->
         parse_static_fleet(doc)
 
 
+@pytest.mark.parametrize(
+    "url",
+    ["http://user:hunter2@x:1", "http://user@x:1", "https://:hunter2@x:1", "http://a@b@x:1"],
+)
+def test_replica_urls_with_credentials_are_refused_without_echoing_them(url: str) -> None:
+    for replica in (url, {"url": url}):
+        with pytest.raises(ValueError, match="must not carry credentials") as excinfo:
+            parse_static_fleet({"models": {"a": [replica]}})
+        assert "hunter2" not in str(excinfo.value) and url not in str(excinfo.value)
+
+
 def _slice(
     name: str,
     service: str,

@@ -54,6 +54,25 @@ async def test_beyond_the_bound_a_request_is_rejected_at_once() -> None:
     assert len(queue) == 0
 
 
+async def test_the_bound_in_bytes_counts_the_bodies_held_and_frees_them_on_leaving() -> None:
+    queue = HoldQueue(max_size=10, max_bytes=1000, recheck=GUARD)
+    big = asyncio.create_task(queue.hold(lambda: False, GUARD, size=600))
+    while len(queue) < 1:
+        await asyncio.sleep(0)
+    assert queue.bytes == 600
+    with pytest.raises(HoldRejected) as excinfo:
+        await asyncio.wait_for(queue.hold(lambda: False, GUARD, size=401), GUARD)
+    assert excinfo.value.reason == "full" and len(queue) == 1
+    small = asyncio.create_task(queue.hold(lambda: False, GUARD, size=400))
+    while len(queue) < 2:
+        await asyncio.sleep(0)
+    assert queue.bytes == 1000
+    for task in (big, small):
+        task.cancel()
+    await asyncio.gather(big, small, return_exceptions=True)
+    assert (len(queue), queue.bytes) == (0, 0)
+
+
 async def test_the_timeout_rejects_and_leaves_the_queue() -> None:
     queue = HoldQueue(max_size=2, recheck=0.01)
     with pytest.raises(HoldRejected) as excinfo:

@@ -66,10 +66,10 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
         raise ModelResolutionError(
             f"unknown built-in model {reference!r}; built-in models: {', '.join(BUILTIN_MODELS)}"
         )
-    if reference.startswith("hf://"):
+    if reference.startswith(("hf://", "s3://")):
         raise ModelResolutionError(
-            f"model {reference!r}: fetching from a model hub is not supported in this build; "
-            f"the model must be local ({_ACCEPTED})"
+            f"model {reference!r}: the engine loads local folders; fetch it first with "
+            f"`fleetllm model pull {reference} DIR` and pass --model DIR ({_ACCEPTED})"
         )
     if "://" in reference:
         raise ModelResolutionError(

@@ -255,8 +255,9 @@ def test_builtin_aliases_resolve_to_the_same_directory(smollm2_dir: Path) -> Non
     ("reference", "message"),
     [
         ("no-such-model", "neither a built-in model nor an existing path"),
-        ("hf://HuggingFaceTB/SmolLM2-135M-Instruct", "fetching from a model hub is not supported"),
-        ("s3://bucket/model", "remote references are not supported"),
+        ("hf://HuggingFaceTB/SmolLM2-135M-Instruct", "fetch it first with `fleetllm model pull"),
+        ("s3://bucket/model", "fetch it first with `fleetllm model pull"),
+        ("gs://bucket/model", "remote references are not supported"),
         ("builtin://gpt-9", "unknown built-in model 'builtin://gpt-9'"),
         ("", "empty model reference"),
     ],

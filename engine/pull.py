@@ -466,12 +466,13 @@ def _read_marker(folder: Path) -> dict[str, Any] | None:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
         return None
-    files = marker.get("files") or {}
-    for name, entry in files.items():
+    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
+        return None
+    for name, entry in marker["files"].items():
         path = folder / name
         if not path.is_file() or path.stat().st_size != entry.get("size", -1):
             return None
-    return marker if isinstance(marker, dict) else None
+    return marker
 
 
 def _complete(marker: dict[str, Any] | None, source: str) -> bool:

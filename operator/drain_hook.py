@@ -11,6 +11,8 @@ metrics carry the same names. The renderer passes this file's source inline:
 `python3 -c SOURCE SETTLE CAP PORT`.
 """
 
+from __future__ import annotations  # any python3 of an engine image will do
+
 import math
 import re
 import sys

@@ -36,7 +36,7 @@ def test_plan_prints_a_readable_table(capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert out.startswith("llama-8b (model llama-3.1-8b): planned\n")
     for line in (
-        "hardware       1 x H100-80GB, backend builtin",
+        "hardware       1 x H100-80GB, backend builtin on cuda",
         "KV cache       56.63 GiB per device, bfloat16, 131072 bytes/token",
         "x 131,072-token sequences",
         "command        fleetllm engine serve --model",
@@ -154,3 +154,25 @@ def test_operator_run_without_credentials_says_so(
     err = capsys.readouterr().err
     assert err.startswith("fleetllm: error: cannot read Kubernetes credentials")
     assert "missing-kubeconfig" in err
+
+
+def test_render_takes_the_operators_cluster_configuration(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    example = str(EXAMPLES / "llama-3.2-3b-l4-gke.yaml")
+    args = ["render", "-f", example, "--gpu-profile", "karpenter", "--model-cache-claim", "cache"]
+    assert main(args) == 0
+    (deployment,) = [
+        d for d in yaml.safe_load_all(capsys.readouterr().out) if d["kind"] == "Deployment"
+    ]
+    pod = deployment["spec"]["template"]["spec"]
+    # The example's own profile (gke) wins over the operator's; the cache claim is used.
+    assert pod["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-l4"
+    assert "karpenter.k8s.aws/instance-gpu-name" not in pod["nodeSelector"]
+    models = next(v for v in pod["volumes"] if v["name"] == "models")
+    assert models["persistentVolumeClaim"] == {"claimName": "cache"}
+
+    assert main(["render", "-f", example, "--model-cache-read-only"]) == 2
+    assert "--model-cache-read-only needs --model-cache-claim" in capsys.readouterr().err
+    assert main(["render", "-f", example, "--model-cache-claim", "Bad_Name"]) == 2
+    assert "not a valid claim name" in capsys.readouterr().err

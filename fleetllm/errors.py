@@ -69,9 +69,13 @@ def error_json(
     *,
     type_: str | None = None,
 ) -> bytes:
-    return json.dumps(
-        error_body(status, message, param, type_=type_), ensure_ascii=False, separators=(",", ":")
-    ).encode()
+    body = error_body(status, message, param, type_=type_)
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        # A message that quotes the client's input may hold lone surrogates (JSON allows
+        # "\ud800"); UTF-8 cannot, so those answers are escaped to ASCII.
+        return json.dumps(body, separators=(",", ":")).encode()
 
 
 class APIError(Exception):

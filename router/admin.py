@@ -65,6 +65,8 @@ class AdminApi:
             fleet = parse_static_fleet(doc, "request body")
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise RouterError(400, f"The body is not YAML or JSON: {exc}") from None
+        except RecursionError:
+            raise RouterError(400, "The body is nested too deeply.") from None
         except ValueError as exc:
             raise RouterError(400, str(exc)) from None
         self.pool.apply_fleet(fleet)

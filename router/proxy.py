@@ -176,6 +176,8 @@ class Proxy:
             payload = json.loads(ctx.body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise RouterError(400, f"The body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise RouterError(400, "The body is not valid JSON: nested too deeply.") from None
         if not isinstance(payload, dict):
             raise RouterError(400, "The body must be a JSON object.")
         ctx.payload = payload

@@ -3,7 +3,8 @@
 `Router` wires the parts together: the replica pool (`pool`), which discovery keeps current;
 the proxy (`proxy`); API keys and limits (`access`); the admin endpoints (`admin`); and the
 few endpoints of its own (`/v1/models`, `/health`, `/metrics`, `/version`). Errors raised on
-any path are answered here, in OpenAI's shape, by one middleware.
+any path are answered here, in OpenAI's shape, by one middleware. The OpenAPI document of
+these endpoints is served at /openapi.json.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import Discovery, Fleet
 from fleetllm.router.errors import RouterError, error_response
 from fleetllm.router.metrics import CONTENT_TYPE, RouterMetrics
+from fleetllm.router.openapi import openapi_schema
 from fleetllm.router.pool import ModelPool, ReplicaPool
 from fleetllm.router.proxy import Proxy
 from fleetllm.version import __version__
@@ -65,6 +67,7 @@ class Router:
         )
         self.proxy = Proxy(settings, self.pool, self.access, self.metrics, log_requests)
         self.admin = AdminApi(admin_key, self.pool, settings) if admin_key else None
+        self._openapi = openapi_schema(admin=self.admin is not None)
         self.stopping = False
         self.created = int(time.time())
         self._session: aiohttp.ClientSession | None = None
@@ -120,6 +123,7 @@ class Router:
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/version", self.handle_version)
+        app.router.add_get("/openapi.json", self.handle_openapi)
         if self.admin is not None:
             self.admin.add_routes(app)
         app.router.add_route("*", "/{tail:.*}", self.handle_unknown)
@@ -166,6 +170,9 @@ class Router:
 
     async def handle_version(self, _: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
+
+    async def handle_openapi(self, _: web.Request) -> web.Response:
+        return web.json_response(self._openapi)
 
     async def handle_models(self, request: web.Request) -> web.Response:
         self.access.authenticate(request.headers.get("Authorization"))

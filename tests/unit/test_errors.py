@@ -52,3 +52,10 @@ def test_api_error_carries_status_type_and_param() -> None:
 def test_json_keeps_unicode_and_is_compact() -> None:
     raw = error_json(400, "stop ünïcode")
     assert "ünïcode".encode() in raw and b": " not in raw
+
+
+def test_json_of_a_message_with_lone_surrogates_is_valid() -> None:
+    # A client's JSON may carry "\ud800" escapes, and messages may quote the client's input.
+    data = error_json(404, "The model `\ud800x` does not exist.", "model")
+    assert json.loads(data)["error"]["message"] == "The model `\ud800x` does not exist."
+    data.decode("utf-8")  # valid UTF-8 on the wire

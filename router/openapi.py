@@ -1,0 +1,262 @@
+"""The router's OpenAPI document, served at /openapi.json.
+
+It describes what the router itself checks and answers: the proxied endpoints need a JSON
+object with a string `model` (every other field is the replica's to judge, so the document
+leaves them open), and every error is OpenAI's envelope.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleetllm.version import __version__
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    reasons = {
+        400: "The body is not a JSON object with a string `model`.",
+        401: "No key, or not one of the router's keys.",
+        404: "The model does not exist.",
+        408: "The body did not arrive in time.",
+        413: "The body is too large.",
+        429: "The key's rate limit or concurrency cap is reached.",
+        500: "The replica's own answer to this request.",
+        502: "The replica failed.",
+        503: "No replica was ready in time, or the replica is unavailable.",
+        504: "The replica did not answer in time.",
+    }
+    return {
+        str(s): {
+            "description": reasons[s],
+            "content": {"application/json": {"schema": _ERROR}},
+        }
+        for s in statuses
+    }
+
+
+def _generation(kind: str) -> dict[str, Any]:
+    """A proxied endpoint: what the router needs of the body, and what may come back."""
+    return {
+        "post": {
+            "description": f"Relayed to a replica of `model`: {kind}. The router needs only a "
+            "string `model`; every other field is the replica's to check.",
+            "security": [{"bearer": []}, {}],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "required": ["model"],
+                            "properties": {"model": {"type": "string", "minLength": 1}},
+                            "additionalProperties": True,
+                        }
+                    }
+                },
+            },
+            "responses": {
+                "200": {
+                    "description": "The replica's answer, relayed as it came.",
+                    "content": {
+                        "application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                # The replica's own 4xx/5xx answers are relayed as they came too.
+                **_errors(400, 401, 404, 408, 413, 429, 500, 502, 503, 504),
+            },
+        }
+    }
+
+
+def openapi_schema(admin: bool) -> dict[str, Any]:
+    paths: dict[str, Any] = {
+        "/v1/completions": _generation("an OpenAI completion request"),
+        "/v1/chat/completions": _generation("an OpenAI chat completion request"),
+        "/v1/models": {
+            "get": {
+                "security": [{"bearer": []}, {}],
+                "responses": {
+                    "200": {
+                        "description": "Every model of the fleet, those at zero replicas too.",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["object", "data"],
+                                    "properties": {
+                                        "object": {"type": "string", "enum": ["list"]},
+                                        "data": {
+                                            "type": "array",
+                                            "items": {
+                                                "type": "object",
+                                                "required": ["id", "object"],
+                                                "properties": {
+                                                    "id": {"type": "string"},
+                                                    "object": {"type": "string", "enum": ["model"]},
+                                                },
+                                            },
+                                        },
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    **_errors(401),
+                },
+            }
+        },
+        "/health": {
+            "get": {
+                "responses": {
+                    "200": _status("The fleet is known and the router serves."),
+                    "503": _status("Starting (no fleet yet) or stopping."),
+                }
+            }
+        },
+        "/metrics": {
+            "get": {
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text, fleetllm:router_* series.",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                }
+            }
+        },
+        "/version": {
+            "get": {
+                "responses": {
+                    "200": {
+                        "description": "The router's version.",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["version"],
+                                    "properties": {"version": {"type": "string"}},
+                                }
+                            }
+                        },
+                    }
+                }
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "responses": {
+                    "200": {
+                        "description": "This document.",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    }
+                }
+            }
+        },
+    }
+    if admin:
+        paths["/admin/fleet"] = {
+            "get": {
+                "security": [{"bearer": []}],
+                "responses": {
+                    "200": {
+                        "description": "Each model's replicas and their state.",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["models"],
+                                    "properties": {"models": {"type": "object"}},
+                                }
+                            }
+                        },
+                    },
+                    **_errors(401),
+                },
+            },
+            "put": {
+                "security": [{"bearer": []}],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "properties": {
+                                    "models": {
+                                        "type": "object",
+                                        "additionalProperties": {
+                                            "type": "array",
+                                            "items": {"type": "string"},
+                                        },
+                                    }
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": {
+                        "description": "The fleet was replaced; its model names.",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["models"],
+                                    "properties": {
+                                        "models": {"type": "array", "items": {"type": "string"}}
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    **_errors(400, 401, 408, 413),
+                },
+            },
+        }
+    return {
+        "openapi": "3.0.3",
+        "info": {
+            "title": "fleetllm router",
+            "version": __version__,
+            "description": "One OpenAI-compatible endpoint in front of every model of the fleet.",
+        },
+        "paths": paths,
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "required": ["message", "type", "param", "code"],
+                            "properties": {
+                                "message": {"type": "string"},
+                                "type": {"type": "string"},
+                                "param": {"type": "string", "nullable": True},
+                                "code": {"type": "integer"},
+                            },
+                        }
+                    },
+                }
+            },
+        },
+    }
+
+
+def _status(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["status"],
+                    "properties": {"status": {"type": "string"}},
+                }
+            }
+        },
+    }

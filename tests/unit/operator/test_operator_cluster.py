@@ -464,3 +464,46 @@ def test_a_model_cache_every_replica_writes_must_be_read_write_many() -> None:
     plan(spec, rwx, {"cache": ["ReadWriteMany"]})
     filled = OperatorConfig(model_cache=ModelCache("cache", read_only=True))
     plan(spec, filled, {"cache": ["ReadOnlyMany"]})
+
+
+# `vllm serve` options of the pinned release (vLLM v0.19.1's CLI reference) that plans use.
+VLLM_SERVE_FLAGS = {
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--dtype",
+    "--max-model-len",
+    "--block-size",
+    "--shutdown-timeout",
+    "--gpu-memory-utilization",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--enable-prefix-caching",
+    "--quantization",
+    "--kv-cache-dtype",
+    "--enable-chunked-prefill",
+}
+VLLM_QUANTIZATION = {"awq_marlin", "gptq_marlin", "awq", "gptq", "compressed-tensors", "fp8"}
+
+
+def test_vllm_pods_run_vllm_serve_with_flags_the_pinned_release_has() -> None:
+    seen = 0
+    for config in CONFIGS:
+        for cr, pod in _pods(config):
+            (engine,) = pod["containers"]
+            if cr.spec.engine.backend != "vllm":
+                continue
+            seen += 1
+            assert engine["image"] == VLLM_IMAGE
+            assert engine["command"] == ["vllm", "serve"]
+            model, *flags = engine["args"]
+            assert model.startswith("/")  # a folder in the pod, positional
+            assert {f for f in flags if f.startswith("-")} <= VLLM_SERVE_FLAGS
+            if "--quantization" in flags:
+                assert _arg(engine, "--quantization") in VLLM_QUANTIZATION
+            assert _arg(engine, "--shutdown-timeout") == str(cr.spec.engine.drain_seconds)
+            grace = pod["terminationGracePeriodSeconds"]
+            assert grace > 10 + cr.spec.engine.drain_seconds
+    assert seen >= 4

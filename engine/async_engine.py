@@ -6,6 +6,12 @@ between steps) and gets outputs back with `loop.call_soon_threadsafe`. When ther
 do the thread sleeps on a condition variable, so an idle server burns no CPU. Each step's
 outputs reach their `RequestStream` as one batch; outputs are cumulative, so a consumer that
 falls behind simply sees the latest state.
+
+Failure isolation: a request the engine refuses, or one that fails inside a step, fails its own
+stream only (`RequestFailedError`, or the engine's `ValueError` for invalid input) and the
+thread goes on. Only an exception that escapes `step()` (an engine fault) stops the thread and
+fails every stream with `EngineDeadError`. The thread records when its current step began, so a
+watchdog can tell a step that hangs (`step_running_for`).
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fleetllm.engine.engine import EngineStats, LLMEngine
-from fleetllm.engine.request import RequestOutput
+from fleetllm.engine.request import RequestFailedError, RequestOutput
 from fleetllm.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -33,7 +40,7 @@ class EngineNotReadyError(RuntimeError):
 
 
 class EngineOverloadedError(RuntimeError):
-    """The waiting queue is at its bound."""
+    """The waiting queue has no room for the submission."""
 
 
 @dataclass
@@ -44,6 +51,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    cache_salt: str | None = None
 
 
 class RequestStream:
@@ -132,6 +140,7 @@ class AsyncEngine:
         self.stats: EngineStats | None = None  # the latest snapshot, replaced whole
         self.error: BaseException | None = None
         self.ready = asyncio.Event()
+        self._step_started: float | None = None  # monotonic; set by the thread around a step
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -155,6 +164,11 @@ class AsyncEngine:
     @property
     def dead(self) -> bool:
         return self.error is not None
+
+    def step_running_for(self) -> float:
+        """Seconds the engine thread has spent in its current step (0 between steps)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     async def wait_loaded(self) -> None:
         """Wait until the model is loaded; raise what loading raised, if it failed."""
@@ -189,13 +203,15 @@ class AsyncEngine:
             raise EngineNotReadyError("the engine is not accepting requests")
         stream = RequestStream(self, requests)
         with self._cond:
-            if self.max_waiting_requests is not None:
+            bound = self.max_waiting_requests
+            if bound is not None:
+                # The whole submission must fit: n choices of many prompts all wait at once.
                 pending = sum(len(s.requests) for kind, s in self._commands if kind == "add")
                 waiting = (self.stats.num_waiting if self.stats else 0) + pending
-                if waiting >= self.max_waiting_requests:
+                if waiting + len(requests) > bound:
                     raise EngineOverloadedError(
-                        f"the server is overloaded: {waiting} requests are waiting "
-                        f"(the bound is {self.max_waiting_requests}); retry later"
+                        f"the server is overloaded: {waiting} requests are waiting and this "
+                        f"one adds {len(requests)} (the bound is {bound}); retry later"
                     )
             self._commands.append(("add", stream))
             self._cond.notify()
@@ -213,9 +229,15 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             entry = self._streams.get(out.request_id)
-            if entry is None:  # aborted while the step ran
+            if entry is None:  # aborted while the step ran, or its stream already failed
                 continue
             stream, index = entry
+            if out.error is not None:
+                # One choice failing fails the response; its other choices are aborted.
+                self._streams.pop(out.request_id)
+                stream._fail(RequestFailedError(out.error))
+                stream.abort()
+                continue
             stream._update(index, out)
             if out.finished:
                 del self._streams[out.request_id]
@@ -278,7 +300,13 @@ class AsyncEngine:
                     out = engine.abort_request(req.request_id)
                     if out is not None:
                         aborted.append(out)
-            stepped = engine.step() if engine.has_unfinished_requests() else []
+            stepped: list[RequestOutput] = []
+            if engine.has_unfinished_requests():
+                self._step_started = time.monotonic()
+                try:
+                    stepped = engine.step()
+                finally:
+                    self._step_started = None
             # Stats first: a caller that sees its request finish then reads fresh counters.
             self.stats = stats = engine.stats()
             outputs = aborted + stepped
@@ -289,14 +317,23 @@ class AsyncEngine:
                 self._call(self._deliver, outputs)
 
     def _add(self, engine: LLMEngine, stream: RequestStream) -> None:
+        """Queue a stream's requests, all or none. `add_request` changes nothing when it
+        raises, so a refused submission leaves the engine as it was."""
         added: list[str] = []
         try:
             for req in stream.requests:
                 engine.add_request(
-                    req.request_id, req.prompt_token_ids, req.params, req.arrival_time
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.params,
+                    req.arrival_time,
+                    cache_salt=req.cache_salt,
                 )
                 added.append(req.request_id)
-        except ValueError as exc:
+        except Exception as exc:
             for request_id in added:
                 engine.abort_request(request_id)
+            if not isinstance(exc, ValueError):  # invalid input is the caller's; this is ours
+                log.error("the engine could not queue a request", exc_info=exc)
+                exc = RequestFailedError(f"the engine could not queue this request: {exc!r}")
             self._call(self._reject, stream, exc)

@@ -3,28 +3,51 @@
 Pure Python, no tensors: the model runner owns the cache tensors, this module decides which
 blocks each request's tokens live in.
 
-Prefix caching: a full block is identified by a chained hash of (parent block's hash, its
-token ids), so equal hashes mean equal whole prefixes. Blocks whose reference count drops to
-zero stay in the cache and sit in a free queue in LRU order; they are evicted (their hash
-forgotten) only when an allocation needs them.
+Prefix caching: a full block is identified by a chained SHA-256 of (parent block's hash, its
+token ids), so equal hashes mean equal whole prefixes. The chain starts at a root that holds the
+request's `cache_salt`: requests with different salts never share a block. A cryptographic hash
+matters here: blocks are looked up by hash alone, so two different prefixes whose keys collide
+would share KV entries, and a client able to craft such collisions (easy with Python's `hash`)
+could poison other tenants' outputs. Each full block is hashed once, when the request's tokens
+first cover it, and registered in the cache once, when it is first fully computed; per-step
+work therefore does not grow with a request's length.
+
+Blocks whose reference count drops to zero stay in the cache and sit in a free queue in LRU
+order; they are evicted (their hash forgotten) only when an allocation needs them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+BlockHash = bytes  # a SHA-256 digest
 
-def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
-    return hash((parent, tuple(token_ids)))
+_UNSALTED_ROOT: BlockHash = hashlib.sha256(b"fleetllm-prefix-cache\0").digest()
+
+
+def root_hash(cache_salt: str | None = None) -> BlockHash:
+    """The parent of a request's first block: one per salt, and one for no salt."""
+    if cache_salt is None:
+        return _UNSALTED_ROOT
+    return hashlib.sha256(b"fleetllm-prefix-cache-salt\0" + cache_salt.encode()).digest()
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """SHA-256 over a canonical encoding: the parent's 32 bytes, then each token id as a
+    little-endian signed 64-bit integer. Every input has one encoding and a block's length is
+    fixed, so distinct (parent, tokens) pairs only share a key through a SHA-256 collision."""
+    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
 @dataclass
 class Block:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: BlockHash | None = None
 
 
 NULL_BLOCK = 0
@@ -46,7 +69,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks + 1)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks + 1))
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         self.num_touched = 0
 
     @property
@@ -56,7 +79,7 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
-    def lookup(self, block_hash: int) -> Block | None:
+    def lookup(self, block_hash: BlockHash) -> Block | None:
         block_id = self._cached.get(block_hash)
         return None if block_id is None else self.blocks[block_id]
 
@@ -91,7 +114,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 
-    def cache(self, block: Block, block_hash: int) -> None:
+    def cache(self, block: Block, block_hash: BlockHash) -> None:
         """Register a full block under its hash, unless an equal block is already cached."""
         if block.block_hash is None and block_hash not in self._cached:
             block.block_hash = block_hash
@@ -106,8 +129,10 @@ class BlockPool:
 
 @dataclass
 class _RequestBlocks:
+    root: BlockHash = _UNSALTED_ROOT
     blocks: list[Block] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)  # hashes of the request's full blocks
+    hashes: list[BlockHash] = field(default_factory=list)  # of the request's full blocks
+    num_registered: int = 0  # leading blocks already offered to the prefix cache
 
 
 class KVCacheManager:
@@ -141,17 +166,22 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> list[Block]:
-        """Cached blocks covering the longest cached prefix of `token_ids`.
+    def find_cached_prefix(
+        self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[Block]:
+        """Cached blocks covering the longest cached prefix of `token_ids` (among blocks
+        cached under the same `cache_salt`).
 
         The last token is never served from the cache: the model must compute it to produce
         the next token's logits.
         """
-        entry = self._requests.setdefault(request_id, _RequestBlocks())
-        self._extend_hashes(entry, token_ids)
+        entry = self._requests.get(request_id)
+        if entry is None:
+            entry = self._requests[request_id] = _RequestBlocks(root_hash(cache_salt))
         if not self.enable_prefix_caching:
             return []
         usable = (len(token_ids) - 1) // self.block_size
+        self._extend_hashes(entry, token_ids, usable)
         hits: list[Block] = []
         for block_hash in entry.hashes[:usable]:
             block = self.pool.lookup(block_hash)
@@ -187,14 +217,18 @@ class KVCacheManager:
     def cache_full_blocks(
         self, request_id: str, token_ids: Sequence[int], num_computed: int
     ) -> None:
-        """Register every block whose tokens are all computed under its prefix hash."""
+        """Register each block whose tokens have all been computed under its prefix hash,
+        starting at the first block not registered yet."""
         if not self.enable_prefix_caching:
             return
         entry = self._requests[request_id]
-        self._extend_hashes(entry, token_ids)
         full = min(num_computed // self.block_size, len(entry.blocks))
-        for i in range(full):
+        if full <= entry.num_registered:
+            return
+        self._extend_hashes(entry, token_ids, full)
+        for i in range(entry.num_registered, full):
             self.pool.cache(entry.blocks[i], entry.hashes[i])
+        entry.num_registered = full
 
     def free(self, request_id: str) -> None:
         entry = self._requests.pop(request_id, None)
@@ -202,10 +236,13 @@ class KVCacheManager:
             # Tail blocks first, so they are evicted before the shared prefix blocks.
             self.pool.release(entry.blocks[::-1])
 
-    def _extend_hashes(self, entry: _RequestBlocks, token_ids: Sequence[int]) -> None:
+    def _extend_hashes(
+        self, entry: _RequestBlocks, token_ids: Sequence[int], num_blocks: int
+    ) -> None:
+        """Hash the first `num_blocks` full blocks of `token_ids`, those not hashed yet."""
         bs = self.block_size
-        for i in range(len(entry.hashes), len(token_ids) // bs):
-            parent = entry.hashes[i - 1] if i else None
+        for i in range(len(entry.hashes), num_blocks):
+            parent = entry.hashes[i - 1] if i else entry.root
             entry.hashes.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs]))
 
     def reset_prefix_cache(self) -> None:

@@ -108,7 +108,29 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
         "--max-waiting-requests",
         type=int,
         default=None,
-        help="answer 503 while this many requests wait for a slot (default: no bound)",
+        help="answer 503 to a request whose choices would take the number of engine requests "
+        "waiting for a slot past this bound (default: no bound)",
+    )
+    p.add_argument(
+        "--max-request-choices",
+        type=int,
+        default=128,
+        help="the most engine requests one HTTP request may fan out into, prompts x n "
+        "(default 128)",
+    )
+    p.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=1 << 20,
+        help="the most tokens one HTTP request may ask for over all its choices, prompt plus "
+        "max_tokens each (default 1048576)",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=120.0,
+        help="/health answers 503 while one engine step has run longer than this many seconds "
+        "(default 120; 0 turns the watchdog off)",
     )
     p.add_argument(
         "--max-request-body-bytes",
@@ -141,8 +163,11 @@ def _serve(args: argparse.Namespace) -> int:
         ("--max-request-body-bytes", args.max_request_body_bytes, 1),
         ("--max-waiting-requests", args.max_waiting_requests, 0),
         ("--shutdown-grace-period", args.shutdown_grace_period, 0),
+        ("--max-request-choices", args.max_request_choices, 1),
+        ("--max-request-tokens", args.max_request_tokens, 1),
+        ("--step-timeout", args.step_timeout, 0),
     ):
-        if value is not None and value < low:
+        if value is not None and not value >= low:  # NaN included
             raise ValueError(f"{flag} must be at least {low}, got {value}")
     config = EngineConfig(
         model=args.model,
@@ -169,6 +194,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         log_requests_text=args.log_requests_text,
         shutdown_grace_period=args.shutdown_grace_period,
+        max_request_choices=args.max_request_choices,
+        max_request_tokens=args.max_request_tokens,
+        step_timeout=args.step_timeout,
     )
     return run_server(
         config,

@@ -24,10 +24,17 @@ from fleetllm.engine.model_runner import ModelRunner
 from fleetllm.engine.request import Request, RequestOutput
 from fleetllm.engine.sampler import SamplingRow, sample
 from fleetllm.engine.sampling_params import SamplingParams
-from fleetllm.engine.scheduler import Scheduler
+from fleetllm.engine.scheduler import ScheduledRequest, Scheduler
 from fleetllm.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
+
+# This many steps in a row in which every request failed is no longer about the requests.
+MAX_FAILED_STEPS = 3
+
+
+class EngineFaultError(RuntimeError):
+    """The engine cannot run requests any more (not the fault of any one request)."""
 
 
 @dataclass
@@ -82,6 +89,7 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished: Counter[str] = Counter()
+        self._failed_steps = 0  # consecutive steps in which every request failed
         log.info(
             "engine ready",
             extra={
@@ -101,13 +109,25 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
+        """Queue a request. Every way in which a request can be invalid raises ValueError here,
+        before it joins a batch; `cache_salt` keeps its prefix-cache blocks apart from those of
+        requests with another salt (or none)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.n != 1:
             raise ValueError("the engine takes n=1 requests; fan out n>1 into separate requests")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
         text, token_ids = self._tokenize_prompt(prompt)
-        req = Request(request_id, text, token_ids, params, self.eos_token_ids, arrival_time)
+        req = Request(
+            request_id, text, token_ids, params, self.eos_token_ids, arrival_time, cache_salt
+        )
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
@@ -165,37 +185,114 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns the requests that gained tokens (or finished) in it."""
+        """One iteration; returns the requests that gained tokens (or finished) in it.
+
+        An exception raised for one request fails that request alone (finish reason "error",
+        its blocks freed) and the step goes on for the others. An exception that escapes is an
+        engine fault: the engine's state can no longer be trusted.
+        """
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        logits, sampled = self.runner.execute(out.scheduled)
+        num_scheduled = len(out.scheduled)
+        failures: dict[str, Exception] = {}
+        logits, sampled = self._execute(out.scheduled, failures)
+        if failures:
+            out.scheduled = [s for s in out.scheduled if s.request.request_id not in failures]
         self.scheduler.on_step_computed(out)
-        rows = [
-            SamplingRow(
-                s.request.params,
-                s.request.prompt_token_ids,
-                s.request.output_token_ids,
-                s.request.stop_token_ids,
-                s.request.generator,
-            )
-            for s in sampled
-        ]
-        result = sample(logits, rows, self.generator)
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
-        for s, token_id, lp in zip(sampled, result.token_ids, result.logprobs, strict=True):
-            req = s.request
-            self._append_token(req, token_id, lp)
-            if req.finished:
-                finished.append(req)
-            outputs.append(req.to_output())
+        if sampled:
+            rows = [
+                SamplingRow(
+                    s.request.params,
+                    s.request.prompt_token_ids,
+                    s.request.output_token_ids,
+                    s.request.stop_token_ids,
+                    s.request.generator,
+                )
+                for s in sampled
+            ]
+            result = sample(logits, rows, self.generator)
+            for i, (s, token_id, lp) in enumerate(
+                zip(sampled, result.token_ids, result.logprobs, strict=True)
+            ):
+                req = s.request
+                try:
+                    if i in result.errors:
+                        raise result.errors[i]
+                    self._append_token(req, token_id, lp)
+                except Exception as exc:
+                    failures[req.request_id] = exc
+                    continue
+                if req.finished:
+                    finished.append(req)
+                outputs.append(req.to_output())
         self.scheduler.remove_finished(finished)
         for req in finished:
             del self.requests[req.request_id]
             self._detokenizers.pop(req.request_id, None)
             self._finished[req.finish_reason or "stop"] += 1
+        for request_id, exc in failures.items():
+            outputs.append(self._fail_request(self.requests[request_id], exc))
+        self._check_progress(failures, num_scheduled)
         return outputs
+
+    def _execute(
+        self, batch: list[ScheduledRequest], failures: dict[str, Exception]
+    ) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Run the batch; if that raises, run its requests one at a time, so the request that
+        causes the error fails alone (recorded in `failures`) and the others still advance.
+        Rerunning is safe: a request's new KV entries are simply written again."""
+        try:
+            return self.runner.execute(batch)
+        except Exception as exc:
+            if len(batch) == 1:
+                failures[batch[0].request.request_id] = exc
+                return torch.empty(0), []
+            log.warning(
+                "a step failed; running its requests one at a time",
+                extra={"requests": len(batch), "error": repr(exc)},
+            )
+        parts: list[torch.Tensor] = []
+        sampled: list[ScheduledRequest] = []
+        for s in batch:
+            try:
+                logits, rows = self.runner.execute([s])
+            except Exception as exc:
+                failures[s.request.request_id] = exc
+                continue
+            parts.append(logits)
+            sampled += rows
+        return (torch.cat(parts) if parts else torch.empty(0)), sampled
+
+    def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
+        log.error(
+            "request failed in the engine",
+            extra={"request_id": req.request_id},
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        del self.requests[req.request_id]
+        self._detokenizers.pop(req.request_id, None)
+        self.scheduler.abort(req)  # frees its blocks
+        req.finish("error")
+        self._finished["error"] += 1
+        out = req.to_output()
+        out.error = f"generation failed for this request: {type(exc).__name__}: {exc}"
+        return out
+
+    def _check_progress(self, failures: dict[str, Exception], num_scheduled: int) -> None:
+        """Failures that are not the requests' own: every request of every step failing."""
+        if len(failures) < num_scheduled:
+            self._failed_steps = 0
+            return
+        self._failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            last = next(reversed(failures.values()))
+            raise EngineFaultError(
+                f"every request failed in {self._failed_steps} steps in a row; "
+                f"the last error: {type(last).__name__}: {last}"
+            ) from last
 
     def _append_token(self, req: Request, token_id: int, lp: object) -> None:
         now = time.monotonic()
@@ -219,7 +316,7 @@ class LLMEngine:
         if n_out >= p.min_tokens:
             if token_id in req.eos_token_ids:
                 req.finish("stop")
-            elif token_id in p.stop_token_ids:  # type: ignore[operator]
+            elif token_id in req.user_stop_token_ids:
                 req.finish("stop", token_id)
             elif p.stop:
                 final_text = self._match_stop_string(req, full_text, new_chars)

@@ -1,9 +1,13 @@
 """The OpenAI completions and chat completions endpoints over the async engine.
 
-Prompts are tokenized here (not on the engine thread), so length errors carry vLLM's wording
-and a bad request never reaches the engine. n>1 and multi-prompt requests fan out into one
-engine request per choice; their outputs arrive on one stream and are turned into OpenAI
-responses or SSE chunks by computing deltas from the engine's cumulative outputs.
+Prompts are tokenized here (not on the engine thread; large ones and chat templates on a worker
+thread, off the event loop), so length errors carry vLLM's wording and a bad request never
+reaches the engine: everything that needs the loaded model (token ids against the vocabulary,
+lengths against the context, the per-request work caps) is checked before submitting. n>1 and
+multi-prompt requests fan out into one engine request per choice; their outputs arrive on one
+stream and are turned into OpenAI responses or SSE chunks by computing deltas from the engine's
+cumulative outputs. A request the engine fails answers 500 (or ends its stream with an error
+event); the engine goes on serving the others.
 """
 
 from __future__ import annotations
@@ -32,15 +36,16 @@ from fleetllm.engine.async_engine import (
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.llm import child_params
 from fleetllm.engine.protocol import ChatCompletionRequest, CompletionRequest, from_value_error
-from fleetllm.engine.request import Logprob, RequestOutput
+from fleetllm.engine.request import Logprob, RequestFailedError, RequestOutput
 from fleetllm.engine.sampling_params import SamplingParams
 from fleetllm.engine.tokenizer import Tokenizer
-from fleetllm.errors import APIError, bad_request, error_body
+from fleetllm.errors import APIError, bad_request
 
 log = logging.getLogger("fleetllm.engine.requests")
 
-MAX_N = 128
-# Prompts longer than this many characters are tokenized off the event loop.
+DEFAULT_MAX_REQUEST_CHOICES = 128
+DEFAULT_MAX_REQUEST_TOKENS = 1 << 20
+# Prompts longer than this many characters in all are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 2048
 # JSON has no -inf; vLLM reports impossible tokens with this floor.
 MIN_LOGPROB = -9999.0
@@ -100,10 +105,16 @@ class OpenAIServing:
         model_names: Sequence[str],
         *,
         log_requests_text: bool = False,
+        max_request_choices: int = DEFAULT_MAX_REQUEST_CHOICES,
+        max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
     ) -> None:
         self.engine = engine
         self.model_names = list(model_names)
         self.log_requests_text = log_requests_text
+        # Bounds on the work one HTTP request may ask for: engine requests (prompts x n), and
+        # tokens over all of them (prompt + max_tokens each).
+        self.max_request_choices = max_request_choices
+        self.max_request_tokens = max_request_tokens
         self._token_text: dict[int, str] = {}
         # Generation requests admitted and not yet answered in full; draining waits for them.
         self.num_active = 0
@@ -138,10 +149,20 @@ class OpenAIServing:
         return model
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return (await self.encode_many([text], add_special_tokens))[0]
+
+    async def encode_many(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """Tokenize on the event loop when the texts are short, else on a worker thread."""
         tokenizer = self.tokenizer()
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+
+        def encode_all() -> list[list[int]]:
+            return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+        if sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS:
+            return encode_all()
+        return await asyncio.to_thread(encode_all)
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         vocab = self.llm.model_config.vocab_size
@@ -149,7 +170,46 @@ class OpenAIServing:
         if bad is not None:
             raise bad_request(f"{param}: token ids must be in [0, {vocab}), got {bad}", param)
 
-    def apply_chat_template(
+    def check_choices(self, num_prompts: int, n: int) -> None:
+        """The cap on engine requests per HTTP request, checked before any tokenizing."""
+        if num_prompts * n > self.max_request_choices:
+            raise bad_request(
+                f"this request asks for {num_prompts * n} completions ({num_prompts} prompts "
+                f"x n={n}); the limit is {self.max_request_choices} per request",
+                "n",
+            )
+
+    def check_tokens(self, job: _Job, params: Sequence[SamplingParams]) -> None:
+        """The cap on tokens one request may ask the engine to hold and compute."""
+        tokens = job.n * sum(
+            len(prompt.token_ids) + (p.max_tokens or 0)
+            for prompt, p in zip(job.prompts, params, strict=True)
+        )
+        if tokens > self.max_request_tokens:
+            raise bad_request(
+                f"this request needs up to {tokens} tokens (prompts plus max_tokens, for each "
+                f"of n={job.n} choices); the limit is {self.max_request_tokens} per request: "
+                "lower max_tokens or n, or split the request",
+                "max_tokens",
+            )
+
+    async def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        kwargs: dict[str, Any] | None,
+    ) -> str:
+        """The chat template applied on a worker thread: a conversation can be megabytes."""
+        return await asyncio.to_thread(
+            self._apply_chat_template,
+            messages,
+            add_generation_prompt,
+            continue_final_message,
+            kwargs,
+        )
+
+    def _apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
@@ -201,8 +261,8 @@ class OpenAIServing:
     def _sampling_params(
         self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
     ) -> SamplingParams:
-        if req.n > MAX_N:
-            raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
         if isinstance(req, ChatCompletionRequest):
             if req.top_logprobs is not None and not req.logprobs:
                 raise bad_request(
@@ -255,7 +315,14 @@ class OpenAIServing:
                     "input messages.",
                     param,
                 )
-            return dataclasses.replace(params, max_tokens=limit - prompt_len)
+            room = limit - prompt_len
+            if params.min_tokens > room:
+                raise bad_request(
+                    f"min_tokens={params.min_tokens} cannot be generated: the prompt has "
+                    f"{prompt_len} tokens and the model's maximum context length is {limit}",
+                    "min_tokens",
+                )
+            return dataclasses.replace(params, max_tokens=room)
         if prompt_len + params.max_tokens > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you "
@@ -266,12 +333,16 @@ class OpenAIServing:
             )
         return params
 
-    def _submit(self, job: _Job, params: list[SamplingParams]) -> None:
+    def _submit(
+        self, job: _Job, params: list[SamplingParams], cache_salt: str | None = None
+    ) -> None:
+        self.check_tokens(job, params)
         requests = []
         for p, (prompt, prompt_params) in enumerate(zip(job.prompts, params, strict=True)):
             for i, child in enumerate(child_params(prompt_params)):
+                request_id = f"{job.request_id}-{p}-{i}"
                 requests.append(
-                    EngineRequest(f"{job.request_id}-{p}-{i}", prompt.token_ids, child, job.arrival)
+                    EngineRequest(request_id, prompt.token_ids, child, job.arrival, cache_salt)
                 )
         try:
             job.stream = self.engine.submit(requests)
@@ -290,17 +361,20 @@ class OpenAIServing:
             time.monotonic(),
         )  # fmt: skip
         job.client_request_id = http.headers.get("x-request-id")
+        self.check_choices(len(req.prompt), req.n)
         params = self._sampling_params(req, req.max_tokens)
+        texts = [raw for raw in req.prompt if isinstance(raw, str)]
+        encoded = iter(await self.encode_many(texts) if texts else [])
         per_prompt = []
         for raw in req.prompt:
             if isinstance(raw, str):
-                prompt = _Prompt(raw, await self.encode(raw))
+                prompt = _Prompt(raw, next(encoded))
             else:
                 self.check_token_ids(raw, "prompt")
                 prompt = _Prompt(None, list(raw))
             per_prompt.append(self._fit_max_tokens(params, len(prompt.token_ids), "prompt"))
             job.prompts.append(prompt)
-        self._submit(job, per_prompt)
+        self._submit(job, per_prompt, req.cache_salt)
         if req.stream:
             return _SSEResponse(self._completion_events(job, req), on_close=self._closer(job))
         outputs = await self._collect(job, http)
@@ -419,7 +493,8 @@ class OpenAIServing:
             time.monotonic(),
         )  # fmt: skip
         job.client_request_id = http.headers.get("x-request-id")
-        text = self.apply_chat_template(
+        self.check_choices(1, req.n)
+        text = await self.render_chat(
             req.messages,
             req.add_generation_prompt,
             req.continue_final_message,
@@ -436,7 +511,7 @@ class OpenAIServing:
             params, len(prompt.token_ids), param if max_tokens is not None else "messages"
         )
         top_n = req.top_logprobs or 0
-        self._submit(job, [params])
+        self._submit(job, [params], req.cache_salt)
         if req.stream:
             return _SSEResponse(self._chat_events(job, req), on_close=self._closer(job))
         outputs = await self._collect(job, http)
@@ -563,13 +638,11 @@ class OpenAIServing:
         return chunk
 
     def _stream_error(self, job: _Job, exc: Exception) -> dict[str, Any]:
-        if isinstance(exc, ValueError):
-            job.status = 400
-            return error_body(400, str(exc))
-        job.status = 500
-        if not isinstance(exc, EngineDeadError):
-            log.exception("request %s failed", job.request_id)
-        return error_body(500, str(exc) or type(exc).__name__)
+        error = _engine_error(exc)
+        job.status = error.status
+        if error.status >= 500 and not isinstance(exc, EngineDeadError | RequestFailedError):
+            log.exception("request %s failed", job.request_id)  # the engine logged its own
+        return error.body()
 
     async def _collect(self, job: _Job, http: Request) -> list[RequestOutput] | None:
         """Wait for every choice; None if the client went away first (then it is aborted)."""
@@ -583,12 +656,10 @@ class OpenAIServing:
             if result in done:
                 try:
                     return result.result()
-                except ValueError as exc:
-                    job.status = 400
-                    raise bad_request(str(exc)) from None
-                except EngineDeadError as exc:
-                    job.status = 500
-                    raise APIError(500, str(exc)) from None
+                except (ValueError, RequestFailedError, EngineDeadError) as exc:
+                    error = _engine_error(exc)
+                    job.status = error.status
+                    raise error from None
             job.status = CLIENT_CLOSED
             return None
         finally:
@@ -649,6 +720,17 @@ class _SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+def _engine_error(exc: Exception) -> APIError:
+    """What a request's stream raised, as the client's answer: the engine refusing invalid
+    input is the client's fault (400); a request failing in a step, or the engine failing, is
+    ours (500)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return from_value_error(exc)
+    return APIError(500, str(exc) or type(exc).__name__)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -1,17 +1,32 @@
-"""Request models and errors of the engine's OpenAI-compatible API.
+"""Request models of the engine's OpenAI-compatible API: the edge where client input is checked.
 
 Field names, defaults and error shapes follow vLLM's OpenAI server. Unknown fields are ignored,
-as OpenAI does. Types are strict (a string is not a number), so a malformed request is answered
-with a 400 that names the offending field rather than being coerced into something else.
+as OpenAI does. Types are strict (a string is not a number), numbers must be finite (no NaN or
+Infinity), integers fit in 64 bits, and each sampling field carries its bounds, so a malformed
+request is answered with a 400 that names the offending field rather than being coerced into
+something else, and the models' JSON schemas (served in /openapi.json) say what is accepted.
+What needs the loaded model (token ids against the vocabulary, lengths against the context) is
+checked by the serving layer before anything reaches the engine.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+import pydantic_core
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+)
 
+from fleetllm.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
 from fleetllm.errors import APIError, bad_request
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def from_value_error(exc: ValueError, default_param: str | None = None) -> APIError:
@@ -22,10 +37,45 @@ def from_value_error(exc: ValueError, default_param: str | None = None) -> APIEr
     return bad_request(message, param)
 
 
-Int = Annotated[int, Field(strict=True)]
-Float = Annotated[float, Field(strict=True)]
+Int = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
+Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Bool = Annotated[bool, Field(strict=True)]
 Str = Annotated[str, Field(strict=True)]
+NonEmptyStr = Annotated[Str, Field(min_length=1)]
+TokenId = Annotated[Int, Field(ge=0)]  # the vocabulary's bound is the serving layer's check
+Logprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
+PositiveTokens = Annotated[Int, Field(ge=1)]
+
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# `prompt` is validated by `normalize_prompt` (one clear message for every wrong shape); this
+# is what the schema says it takes.
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        _TOKEN_IDS_SCHEMA,
+        {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1},
+    ]
+}
+_TEXT_PART_SCHEMA = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+_MESSAGES_SCHEMA = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "properties": {
+            "role": {"type": "string", "minLength": 1},
+            "content": {
+                "anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART_SCHEMA}]
+            },
+        },
+        "required": ["role", "content"],
+    },
+}
 
 
 class OpenAIModel(BaseModel):
@@ -40,26 +90,31 @@ class _SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions; None means "the default"."""
 
     model: Str | None = None
-    n: Int = 1
-    temperature: Float | None = None
-    top_p: Float | None = None
-    top_k: Int | None = None
-    min_p: Float | None = None
+    n: Annotated[Int, Field(ge=1)] = 1
+    temperature: Annotated[Float, Field(ge=0)] | None = None
+    top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[Int, Field(ge=-1)] | None = None
+    min_p: Annotated[Float, Field(ge=0, le=1)] | None = None
     seed: Int | None = None
-    presence_penalty: Float | None = None
-    frequency_penalty: Float | None = None
-    repetition_penalty: Float | None = None
-    stop: Str | list[Str] | None = None
-    stop_token_ids: list[Int] | None = None
+    presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[Float, Field(gt=0)] | None = None
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = (
+        None
+    )
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: Bool = False
     ignore_eos: Bool = False
-    min_tokens: Int = 0
+    min_tokens: Annotated[Int, Field(ge=0)] = 0
     skip_special_tokens: Bool = True
     stream: Bool = False
     stream_options: StreamOptions | None = None
     user: Str | None = None
     logit_bias: dict[Str, Float] | None = None
     return_token_ids: Bool = False
+    # Prefix-cache blocks are shared only among requests with the same salt (vLLM's field):
+    # tenants that must not learn about each other's prompts through cache timing use their own.
+    cache_salt: NonEmptyStr | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -77,9 +132,9 @@ Prompt = str | list[int]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Any
-    max_tokens: Int | None = 16
-    logprobs: Int | None = None
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
+    max_tokens: PositiveTokens | None = 16
+    logprobs: Logprobs | None = None
     echo: Bool = False
     suffix: Str | None = None
 
@@ -127,11 +182,11 @@ def normalize_prompt(value: Any) -> list[Prompt]:
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[dict[Str, Any]], Field(min_length=1)]
-    max_tokens: Int | None = None
-    max_completion_tokens: Int | None = None
+    messages: Annotated[list[dict[Str, Any]], Field(min_length=1), WithJsonSchema(_MESSAGES_SCHEMA)]
+    max_tokens: PositiveTokens | None = None
+    max_completion_tokens: PositiveTokens | None = None
     logprobs: Bool = False
-    top_logprobs: Int | None = None
+    top_logprobs: Logprobs | None = None
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     chat_template_kwargs: dict[Str, Any] | None = None
@@ -154,7 +209,7 @@ class TokenizeCompletionRequest(OpenAIModel):
 
 class TokenizeChatRequest(OpenAIModel):
     model: Str | None = None
-    messages: Annotated[list[dict[Str, Any]], Field(min_length=1)]
+    messages: Annotated[list[dict[Str, Any]], Field(min_length=1), WithJsonSchema(_MESSAGES_SCHEMA)]
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     add_special_tokens: Bool = False
@@ -164,7 +219,7 @@ class TokenizeChatRequest(OpenAIModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: Str | None = None
-    tokens: list[Int]
+    tokens: list[TokenId]
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -198,7 +253,9 @@ def validation_error(exc: ValidationError) -> APIError:
     return bad_request(f"{path}: {', or '.join(msgs)}", str(field))
 
 
-_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+_UNION_TAGS = frozenset(
+    {"str", "int", "float", "bool", "none", "constrained-str", "constrained-int"}
+)
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
@@ -206,11 +263,10 @@ TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 def parse_tokenize_request(body: bytes) -> TokenizeRequest:
     """/tokenize takes either a prompt or chat messages, as vLLM's does."""
-    import json
-
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # pydantic's parser: nesting depth is bounded (json.loads would raise RecursionError).
+        data = pydantic_core.from_json(body, allow_inf_nan=False)
+    except ValueError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if isinstance(data, dict) and "messages" in data:
         return parse_request(TokenizeChatRequest, body)

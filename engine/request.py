@@ -11,6 +11,10 @@ import torch
 from fleetllm.engine.sampling_params import SamplingParams
 
 
+class RequestFailedError(RuntimeError):
+    """Generation for one request failed inside the engine; the engine went on without it."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -31,7 +35,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
+    finish_reason: str | None = None  # 'stop' | 'length' | 'abort' | 'error'
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -56,6 +60,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    error: str | None = None  # why the engine failed this request (finish_reason 'error')
 
 
 class Request:
@@ -67,6 +72,7 @@ class Request:
         params: SamplingParams,
         eos_token_ids: frozenset[int],
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -79,9 +85,11 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.cache_salt = cache_salt  # prefix-cache blocks are shared only within one salt
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.user_stop_token_ids = frozenset(params.stop_token_ids or ())
         # Tokens that end generation, and that min_tokens keeps from being sampled early.
-        self.stop_token_ids = self.eos_token_ids | frozenset(params.stop_token_ids or ())
+        self.stop_token_ids = self.eos_token_ids | self.user_stop_token_ids
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

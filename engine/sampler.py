@@ -3,12 +3,17 @@
 Order of processing (vLLM's): min_tokens masking, penalties, then greedy argmax or
 temperature -> top-k -> top-p -> min-p -> a random draw. Logprobs are those of the raw model
 distribution, before any processing, as vLLM reports them by default.
+
+A failure in the work done for one row (masking, penalties, filtering, its own generator,
+logprobs) fails that row only: it is reported in `SampleResult.errors` and the other rows are
+sampled as usual.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,28 +37,42 @@ class SampleResult:
     token_ids: list[int]
     # Per row: None when not asked for, else (logprob of the sampled token, rank, top-n).
     logprobs: list[tuple[float, dict[int, Logprob]] | None]
+    # Rows whose own processing raised, with what it raised; their tokens are meaningless.
+    errors: dict[int, Exception] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def guard(self, row: int) -> Iterator[None]:
+        """Record an exception raised for one row instead of failing the batch."""
+        try:
+            yield
+        except Exception as exc:
+            self.errors.setdefault(row, exc)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """In place. Repetition penalty over prompt and output tokens (CTRL's rule: divide positive
     logits, multiply negative ones); presence and frequency penalties over output tokens."""
-    vocab = logits.shape[1]
     for i, row in enumerate(rows):
-        p = row.params
-        if not p.has_penalties:
-            continue
-        out = torch.tensor(row.output_token_ids, dtype=torch.long)
-        counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
-        if p.repetition_penalty != 1.0:
-            seen = counts > 0
-            seen[torch.tensor(row.prompt_token_ids, dtype=torch.long)] = True
-            rp = p.repetition_penalty
-            penalized = torch.where(logits[i] > 0, logits[i] / rp, logits[i] * rp)
-            logits[i] = torch.where(seen, penalized, logits[i])
-        if p.frequency_penalty != 0.0:
-            logits[i] -= p.frequency_penalty * counts
-        if p.presence_penalty != 0.0:
-            logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
+        _penalize(logits, i, row)
+
+
+def _penalize(logits: torch.Tensor, i: int, row: SamplingRow) -> None:
+    p = row.params
+    if not p.has_penalties:
+        return
+    vocab = logits.shape[1]
+    out = torch.tensor(row.output_token_ids, dtype=torch.long)
+    counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[torch.tensor(row.prompt_token_ids, dtype=torch.long)] = True
+        rp = p.repetition_penalty
+        penalized = torch.where(logits[i] > 0, logits[i] / rp, logits[i] * rp)
+        logits[i] = torch.where(seen, penalized, logits[i])
+    if p.frequency_penalty != 0.0:
+        logits[i] -= p.frequency_penalty * counts
+    if p.presence_penalty != 0.0:
+        logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def needs_filtering(params: SamplingParams) -> bool:
@@ -84,13 +103,17 @@ def sample(
 ) -> SampleResult:
     """logits: [len(rows), vocab] float32 (modified in place). `generator` serves the rows
     without a seed of their own."""
+    result = SampleResult([], [None] * len(rows))
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     for i, row in enumerate(rows):
-        if len(row.output_token_ids) < row.params.min_tokens and row.stop_token_ids:
-            logits[i, list(row.stop_token_ids)] = float("-inf")
-    apply_penalties(logits, rows)
+        masks_stops = len(row.output_token_ids) < row.params.min_tokens and row.stop_token_ids
+        if masks_stops or row.params.has_penalties:
+            with result.guard(i):
+                if masks_stops:
+                    logits[i, list(row.stop_token_ids)] = float("-inf")
+                _penalize(logits, i, row)
 
     # max() returns the first maximal index like argmax, and is faster on CPU.
     token_ids = logits.max(dim=-1).indices.tolist()
@@ -101,7 +124,8 @@ def sample(
         )
         for j, i in enumerate(random_rows):
             if needs_filtering(rows[i].params):
-                scaled[j] = filter_logits(scaled[j], rows[i].params)
+                with result.guard(i):
+                    scaled[j] = filter_logits(scaled[j], rows[i].params)
         probs = scaled.softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. A seeded request
         # takes exactly one row of draws from its own generator per token, so its output does
@@ -111,26 +135,30 @@ def sample(
             noise.exponential_(generator=generator)
         else:
             for j, i in enumerate(random_rows):
-                noise[j].exponential_(generator=rows[i].generator or generator)
+                with result.guard(i):
+                    noise[j].exponential_(generator=rows[i].generator or generator)
         picks = (probs / noise).argmax(-1).tolist()
         for j, i in enumerate(random_rows):
             token_ids[i] = picks[j]
 
-    logprobs: list[tuple[float, dict[int, Logprob]] | None] = [None] * len(rows)
+    result.token_ids = token_ids
     if raw_logprobs is not None:
         for i, row in enumerate(rows):
-            n = row.params.logprobs
-            if n is None:
-                continue
-            lp = raw_logprobs[i]
-            tok = token_ids[i]
-            tok_lp = float(lp[tok])
-            entries = {tok: Logprob(tok_lp, int((lp > lp[tok]).sum()) + 1)}
-            if n:
-                top = torch.topk(lp, n)
-                for rank, (value, idx) in enumerate(
-                    zip(top.values.tolist(), top.indices.tolist(), strict=True), 1
-                ):
-                    entries.setdefault(idx, Logprob(value, rank))
-            logprobs[i] = (tok_lp, entries)
-    return SampleResult(token_ids, logprobs)
+            if row.params.logprobs is not None:
+                with result.guard(i):
+                    result.logprobs[i] = _logprobs(
+                        raw_logprobs[i], token_ids[i], row.params.logprobs
+                    )
+    return result
+
+
+def _logprobs(lp: torch.Tensor, tok: int, n: int) -> tuple[float, dict[int, Logprob]]:
+    tok_lp = float(lp[tok])
+    entries = {tok: Logprob(tok_lp, int((lp > lp[tok]).sum()) + 1)}
+    if n:
+        top = torch.topk(lp, n)
+        for rank, (value, idx) in enumerate(
+            zip(top.values.tolist(), top.indices.tolist(), strict=True), 1
+        ):
+            entries.setdefault(idx, Logprob(value, rank))
+    return tok_lp, entries

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Temperatures below this are treated as greedy decoding, as vLLM does.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64  # each one is searched for after every token
+# torch generators take a 64-bit seed; n>1 children use seed, seed+1, ..., so the top leaves room.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
 
 
 @dataclass
@@ -55,6 +60,8 @@ class SamplingParams:
         def number(name: str, value: object) -> float:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 fail(name, f"must be a number, got {type(value).__name__}")
+            if not math.isfinite(value):  # type: ignore[arg-type]
+                fail(name, f"must be a finite number, got {value}")
             return float(value)  # type: ignore[arg-type]
 
         def integer(name: str, value: object) -> int:
@@ -78,8 +85,8 @@ class SamplingParams:
                 fail(name, f"must be in [-2, 2], got {value}")
         if number("repetition_penalty", self.repetition_penalty) <= 0.0:
             fail("repetition_penalty", f"must be greater than zero, got {self.repetition_penalty}")
-        if self.seed is not None:
-            integer("seed", self.seed)
+        if self.seed is not None and not SEED_MIN <= integer("seed", self.seed) <= SEED_MAX:
+            fail("seed", f"must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
             fail("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if integer("min_tokens", self.min_tokens) < 0:
@@ -104,6 +111,8 @@ class SamplingParams:
             fail("stop", f"must be a string or a list of strings, got {stop!r}")
         if stop is not None and any(s == "" for s in ([stop] if isinstance(stop, str) else stop)):
             fail("stop", "must not contain empty strings")
+        if isinstance(stop, list | tuple) and len(stop) > MAX_STOP_STRINGS:
+            fail("stop", f"must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         ids = self.stop_token_ids
         if ids is not None and (
             not isinstance(ids, list | tuple)

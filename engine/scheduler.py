@@ -84,7 +84,7 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req.request_id, req.all_token_ids)
+            cached = self.kv.find_cached_prefix(req.request_id, req.all_token_ids, req.cache_salt)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate(req.request_id, num_cached + num_new, cached):
@@ -117,7 +117,8 @@ class Scheduler:
             self.kv.free(req.request_id)
 
     def abort(self, request: Request) -> None:
-        if request.status is RequestStatus.RUNNING:
+        """Drop a request wherever it is and free its blocks."""
+        if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)

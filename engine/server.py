@@ -1,8 +1,14 @@
 """The engine's OpenAI-compatible HTTP server: app factory, routes, and the process runner.
 
-Routes stay thin: they read and validate the body, then hand over to `OpenAIServing`. The
-runner owns the process lifecycle: it binds the port at once (/health says 503 until the
-model is loaded), and on SIGTERM or SIGINT it drains: new requests and /health get 503,
+Routes stay thin: they read and validate the body, then hand over to `OpenAIServing`. Every
+error is answered in OpenAI's envelope (`fleetllm.errors`), from one handler per exception kind.
+/openapi.json describes each route's request body with the protocol models' JSON schemas (the
+routes read the raw body themselves, for the size limit and vLLM's error wording).
+
+/health answers 503 while the model loads, after the engine failed, while draining, and while
+the engine thread has been in one step for longer than `step_timeout` (a watchdog for a step
+that hangs; it answers 200 again if the step ends). The runner owns the process lifecycle: it
+binds the port at once, and on SIGTERM or SIGINT it drains: new requests and /health get 503,
 in-flight ones finish within the grace period (then they are aborted), and it exits 0.
 """
 
@@ -23,18 +29,25 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetllm.engine.async_engine import AsyncEngine
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.metrics import EngineMetrics
-from fleetllm.engine.openai_serving import OpenAIServing
+from fleetllm.engine.openai_serving import (
+    DEFAULT_MAX_REQUEST_CHOICES,
+    DEFAULT_MAX_REQUEST_TOKENS,
+    OpenAIServing,
+)
 from fleetllm.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
+    TokenizeCompletionRequest,
     parse_request,
     parse_tokenize_request,
 )
@@ -47,6 +60,9 @@ log = logging.getLogger("fleetllm.engine.server")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ABORT_FLUSH_S = 5.0
+# A step is one forward pass over at most max_num_batched_tokens tokens: seconds at worst on
+# a CPU, never minutes.
+DEFAULT_STEP_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -57,6 +73,9 @@ class ServerSettings:
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_requests_text: bool = False
     shutdown_grace_period: float = 30.0
+    max_request_choices: int = DEFAULT_MAX_REQUEST_CHOICES
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+    step_timeout: float = DEFAULT_STEP_TIMEOUT_S  # 0: no watchdog
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -70,9 +89,14 @@ class ServerState:
         self.engine = engine
         self.metrics = metrics
         self.serving = OpenAIServing(
-            engine, settings.model_names, log_requests_text=settings.log_requests_text
+            engine,
+            settings.model_names,
+            log_requests_text=settings.log_requests_text,
+            max_request_choices=settings.max_request_choices,
+            max_request_tokens=settings.max_request_tokens,
         )
         self.draining = False
+        self.step_hung = False  # the watchdog's last verdict, to log each change once
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -81,6 +105,26 @@ class ServerState:
             raise APIError(503, f"the engine has failed: {self.engine.error}")
         if not self.engine.is_ready:
             raise APIError(503, "the model is still loading")
+        self.check_step_watchdog()
+
+    def check_step_watchdog(self) -> None:
+        limit = self.settings.step_timeout
+        running_for = self.engine.step_running_for()
+        hung = limit > 0 and running_for > limit
+        if hung != self.step_hung:
+            self.step_hung = hung
+            if hung:
+                log.error(
+                    "the engine is stuck in a step",
+                    extra={"step_s": round(running_for, 1), "step_timeout_s": limit},
+                )
+            else:
+                log.warning("the engine's stuck step ended")
+        if hung:
+            raise APIError(
+                503,
+                f"the engine has been in one step for {running_for:.0f}s (the limit is {limit:g}s)",
+            )
 
 
 def create_app(
@@ -109,7 +153,6 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
     )
     app.state.server = state
 
@@ -198,26 +241,28 @@ def create_app(
         ]
         return {"object": "list", "data": data}
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         state.check_accepting()
         req = parse_request(CompletionRequest, await read_body(request))
         return await state.serving.create_completion(req, request)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         state.check_accepting()
         req = parse_request(ChatCompletionRequest, await read_body(request))
         return await state.serving.create_chat_completion(req, request)
 
-    @api.post("/tokenize")
+    @api.post(
+        "/tokenize", openapi_extra=_body_schema(TokenizeCompletionRequest, TokenizeChatRequest)
+    )
     async def tokenize(request: Request) -> dict[str, Any]:
         state.check_accepting()
         req = parse_tokenize_request(await read_body(request))
         serving = state.serving
         serving.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
-            text = serving.apply_chat_template(
+            text = await serving.render_chat(
                 req.messages,
                 req.add_generation_prompt,
                 req.continue_final_message,
@@ -236,7 +281,7 @@ def create_app(
             else None,
         }
 
-    @api.post("/detokenize")
+    @api.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
     async def detokenize(request: Request) -> dict[str, Any]:
         state.check_accepting()
         req = parse_request(DetokenizeRequest, await read_body(request))
@@ -248,7 +293,42 @@ def create_app(
 
     app.include_router(open_routes)
     app.include_router(api)
+    _document_bodies(app)
     return app
+
+
+_BODY_MODELS = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    TokenizeCompletionRequest,
+    TokenizeChatRequest,
+    DetokenizeRequest,
+)
+
+
+def _body_schema(*models: type[BaseModel]) -> dict[str, Any]:
+    """A route's request body for /openapi.json, by reference to the models' schemas."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Add the request models (and the models they use) to the generated OpenAPI document."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = generate()
+            _, defs = models_json_schema(
+                [(m, "validation") for m in _BODY_MODELS],
+                ref_template="#/components/schemas/{model}",
+            )
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 # -- the process ---------------------------------------------------------------------------

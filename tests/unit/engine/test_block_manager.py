@@ -2,18 +2,143 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
-from fleetllm.engine.block_manager import BlockPool, KVCacheManager, hash_block
+from fleetllm.engine import block_manager
+from fleetllm.engine.block_manager import BlockPool, KVCacheManager, hash_block, root_hash
 
 BS = 4
 
 
 def test_hash_chain_identifies_whole_prefix() -> None:
-    a = hash_block(None, [1, 2, 3, 4])
-    assert hash_block(None, [1, 2, 3, 4]) == a
+    root = root_hash()
+    a = hash_block(root, [1, 2, 3, 4])
+    assert hash_block(root, [1, 2, 3, 4]) == a
+    assert len(a) == 32  # a SHA-256 digest
     # Same tokens under a different parent are a different block.
-    assert hash_block(a, [5, 6, 7, 8]) != hash_block(hash_block(None, [0, 2, 3, 4]), [5, 6, 7, 8])
+    assert hash_block(a, [5, 6, 7, 8]) != hash_block(hash_block(root, [0, 2, 3, 4]), [5, 6, 7, 8])
+    # Each salt starts its own chain.
+    assert len({root, root_hash("tenant-a"), root_hash("tenant-b")}) == 3
+    assert hash_block(root_hash("tenant-a"), [1, 2, 3, 4]) != a
+
+
+# -- collisions of the former key, hash((parent, tuple(token_ids))) --------------------------
+
+
+def old_hash_block(parent: object, token_ids: Sequence[int]) -> int:
+    """The former block key: Python's tuple hash, 64 bits that a client can steer."""
+    return hash((parent, tuple(token_ids)))
+
+
+_M64 = (1 << 64) - 1
+_P1, _P2, _P5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+
+
+def _lane_step(acc: int, lane: int) -> int:
+    """One round of CPython's tuple hash (xxHash64's, with rotate-left 31)."""
+    acc = (acc + lane * _P2) & _M64
+    acc = ((acc << 31) | (acc >> 33)) & _M64
+    return (acc * _P1) & _M64
+
+
+def colliding_blocks(prefix: list[int]) -> tuple[list[int], list[int]]:
+    """Two token blocks, `prefix` + 2 ids each, with equal tuple hashes: the last lane of the
+    second is solved for by inverting the final round (small ints hash to themselves)."""
+    acc = _P5
+    for t in prefix:
+        acc = _lane_step(acc, t)
+    x, y = 7, 9
+    target = _lane_step(_lane_step(acc, x), y)
+    inv_p1, inv_p2 = pow(_P1, -1, 1 << 64), pow(_P2, -1, 1 << 64)
+    before = (target * inv_p1) & _M64
+    before = ((before >> 31) | (before << 33)) & _M64  # rotate right 31
+    for x2 in range(1000, 2000):
+        y2 = ((before - _lane_step(acc, x2)) * inv_p2) & _M64
+        if y2 < (1 << 61) - 1:  # hash(y2) == y2
+            return [*prefix, x, y], [*prefix, x2, y2]
+    raise AssertionError("no colliding lane found")
+
+
+def test_two_different_blocks_collide_under_the_old_key() -> None:
+    a, b = colliding_blocks([1, 2])
+    assert a != b and len(a) == len(b) == BS
+    assert old_hash_block(None, a) == old_hash_block(None, b)
+    assert hash_block(root_hash(), a) != hash_block(root_hash(), b)
+
+
+def test_colliding_prompts_no_longer_share_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = colliding_blocks([1, 2])
+
+    def reuse_after(prompt_a: list[int], prompt_b: list[int]) -> int:
+        kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+        assert kv.find_cached_prefix("a", prompt_a) == []
+        assert kv.allocate("a", len(prompt_a))
+        kv.cache_full_blocks("a", prompt_a, len(prompt_a))
+        return len(kv.find_cached_prefix("b", prompt_b))
+
+    # With the old key, b's prompt is served a's KV block: its output would be computed
+    # from another request's tokens.
+    with monkeypatch.context() as m:
+        m.setattr(block_manager, "hash_block", old_hash_block)
+        assert reuse_after([*a, 5], [*b, 5]) == 1
+    assert reuse_after([*a, 5], [*b, 5]) == 0
+    assert reuse_after([*a, 5], [*a, 6]) == 1  # equal blocks are still shared
+
+
+def test_cache_salt_separates_tenants() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    prompt = list(range(100, 109))  # 2 full blocks and a token
+    assert kv.find_cached_prefix("a", prompt, cache_salt="tenant-a") == []
+    assert kv.allocate("a", len(prompt))
+    kv.cache_full_blocks("a", prompt, len(prompt))
+    assert len(kv.find_cached_prefix("same-salt", prompt, cache_salt="tenant-a")) == 2
+    assert kv.find_cached_prefix("other-salt", prompt, cache_salt="tenant-b") == []
+    assert kv.find_cached_prefix("no-salt", prompt) == []
+
+
+def test_hashing_work_per_step_does_not_grow_with_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode 2000 tokens: each full block is hashed once and offered to the cache once, so a
+    step late in the output does exactly the work of a step early on."""
+    from fleetllm.engine.request import Request
+    from fleetllm.engine.sampling_params import SamplingParams
+    from fleetllm.engine.scheduler import Scheduler
+
+    hashed = 0
+    offered = 0
+    real_hash, real_cache = block_manager.hash_block, BlockPool.cache
+
+    def counting_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+        nonlocal hashed
+        hashed += 1
+        return real_hash(parent, token_ids)
+
+    def counting_cache(pool: BlockPool, block: object, block_hash: bytes) -> None:
+        nonlocal offered
+        offered += 1
+        real_cache(pool, block, block_hash)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(block_manager, "hash_block", counting_hash)
+    monkeypatch.setattr(BlockPool, "cache", counting_cache)
+    kv = KVCacheManager(num_blocks=1024, block_size=BS, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    req = Request("r", None, list(range(10)), SamplingParams(max_tokens=None), frozenset())
+    sched.add(req)
+    per_step: list[tuple[int, int]] = []
+    for _ in range(2000):
+        before = (hashed, offered)
+        out = sched.schedule()
+        sched.on_step_computed(out)
+        req.append_token(len(req.all_token_ids) % 100)
+        per_step.append((hashed - before[0], offered - before[1]))
+    computed_blocks = req.num_computed_tokens // BS
+    assert hashed == offered == computed_blocks  # each block once, never again
+    early, late = per_step[40:60], per_step[1980:2000]
+    assert max(early) == max(late) == (1, 1)
+    assert sum(h for h, _ in early) == sum(h for h, _ in late) == 20 // BS
 
 
 def test_allocate_and_free_return_usage_to_zero() -> None:

@@ -1,0 +1,207 @@
+"""Fuzzing the engine server: nothing a client sends gets a 5xx or harms the engine.
+
+Two generators, both seeded and bounded: schemathesis derives requests for every route from the
+server's own /openapi.json (valid ones and ones that break the schema), and hypothesis builds
+hostile JSON bodies for completions and chat (NaN and Infinity literals, 70-bit integers, token
+ids outside the vocabulary, wrong types, deep nesting, min/max conflicts). After each run the
+server must still be healthy, idle (no request or KV block left behind) and answer a normal
+request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
+from server_helpers import SERVED_NAME, ServerProcess, tiny_server_args, wait_until
+
+from fleetllm.engine.engine import LLMEngine
+from fleetllm.engine.server import ServerSettings, create_app
+
+# A short context and few choices per request keep each generated request cheap.
+FUZZ_MAX_MODEL_LEN = 48
+FUZZ_MAX_CHOICES = 8
+VOCAB = 256  # tinymodels' vocabulary
+
+FUZZ_SETTINGS = settings(
+    derandomize=True,  # the same cases on every run
+    database=None,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    max_examples=25,
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(launch: Callable[..., ServerProcess], tiny_chat_dir: Path) -> ServerProcess:
+    args = tiny_server_args(tiny_chat_dir)
+    args += ["--max-model-len", str(FUZZ_MAX_MODEL_LEN)]
+    args += ["--max-request-choices", str(FUZZ_MAX_CHOICES)]
+    return launch(args)
+
+
+def assert_sound(server: ServerProcess) -> None:
+    """Alive, healthy, idle with no block held, and answering a normal request."""
+    assert server.proc.poll() is None, server.log_text()[-4000:]
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+    wait_until(
+        lambda: (
+            server.metric("vllm:num_requests_running") == 0
+            and server.metric("vllm:num_requests_waiting") == 0
+            and server.metric("vllm:kv_cache_usage_perc") == 0.0
+        ),
+        what="an idle engine with every block free",
+    )
+    body = {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 3, "ignore_eos": True}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+# -- schemathesis, from the server's OpenAPI document ------------------------------------------
+
+# The document the server serves at /openapi.json, built here so that schemathesis can create
+# one test per route when the tests are collected; the first test checks it is the served one.
+OPENAPI = create_app(ServerSettings(model_names=[SERVED_NAME]), LLMEngine).openapi()
+schema = schemathesis.openapi.from_dict(OPENAPI)
+# Examples and random fuzzing (valid and schema-breaking requests), bounded by max_examples;
+# the exhaustive boundary "coverage" phase alone would send over a thousand requests.
+schema.config.phases.update(phases=["examples", "fuzzing"])
+
+
+def test_openapi_document_is_the_served_one(fuzz_server: ServerProcess) -> None:
+    served = httpx.get(f"{fuzz_server.base_url}/openapi.json", timeout=10).json()
+    assert served == OPENAPI
+    body = served["paths"]["/v1/completions"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"]["$ref"].endswith("/CompletionRequest")
+
+
+@schema.parametrize()
+@FUZZ_SETTINGS
+def test_openapi_routes_never_answer_5xx(
+    fuzz_server: ServerProcess, case: schemathesis.Case
+) -> None:
+    response = case.call_and_validate(
+        base_url=fuzz_server.base_url, checks=[not_a_server_error], timeout=60
+    )
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert error["code"] == response.status_code and error["message"]
+
+
+def test_sound_after_openapi_fuzzing(fuzz_server: ServerProcess) -> None:
+    assert_sound(fuzz_server)
+
+
+# -- hypothesis: hostile bodies for completions and chat ---------------------------------------
+
+huge_int = st.integers(min_value=-(2**70), max_value=2**70)
+any_number = st.one_of(st.floats(allow_nan=True, allow_infinity=True), huge_int)
+json_leaf = st.one_of(st.none(), st.booleans(), huge_int, any_number, st.text(max_size=12))
+json_value = st.recursive(
+    json_leaf,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+token_id = st.one_of(st.integers(0, VOCAB - 1), st.integers(VOCAB, 2**40), huge_int)
+token_ids = st.lists(token_id, min_size=0, max_size=6)
+
+
+def hostile(plausible: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Mostly plausible values, some non-finite or out of range numbers, some anything."""
+    return st.one_of(plausible, any_number, json_value)
+
+
+SAMPLING_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "n": hostile(st.integers(1, FUZZ_MAX_CHOICES + 2)),
+    "max_tokens": hostile(st.integers(1, FUZZ_MAX_MODEL_LEN)),
+    "min_tokens": hostile(st.integers(0, FUZZ_MAX_MODEL_LEN)),
+    "temperature": hostile(st.floats(0, 2)),
+    "top_p": hostile(st.floats(0, 1)),
+    "top_k": hostile(st.integers(-1, VOCAB + 5)),
+    "min_p": hostile(st.floats(0, 1)),
+    "seed": hostile(st.integers(-(2**63), 2**63 - 1)),
+    "presence_penalty": hostile(st.floats(-2, 2)),
+    "frequency_penalty": hostile(st.floats(-2, 2)),
+    "repetition_penalty": hostile(st.floats(0, 3)),
+    "stop": hostile(st.lists(st.text(max_size=3), max_size=3)),
+    "stop_token_ids": hostile(token_ids),
+    "ignore_eos": hostile(st.booleans()),
+    "stream": hostile(st.booleans()),
+    "stream_options": hostile(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "logit_bias": hostile(st.dictionaries(st.text(max_size=4), st.floats(), max_size=2)),
+    "cache_salt": hostile(st.text(max_size=6)),
+    "return_token_ids": hostile(st.booleans()),
+    "skip_special_tokens": hostile(st.booleans()),
+}
+COMPLETION_FIELDS = {
+    **SAMPLING_FIELDS,
+    "prompt": hostile(st.one_of(st.text(max_size=20), token_ids, st.lists(token_ids, max_size=3))),
+    "logprobs": hostile(st.integers(0, 21)),
+    "echo": hostile(st.booleans()),
+}
+message = st.fixed_dictionaries(
+    {"role": hostile(st.sampled_from(["user", "assistant", "system"]))},
+    optional={"content": hostile(st.text(max_size=20))},
+)
+CHAT_FIELDS = {
+    **SAMPLING_FIELDS,
+    "messages": hostile(st.lists(message, max_size=3)),
+    "max_completion_tokens": hostile(st.integers(1, FUZZ_MAX_MODEL_LEN)),
+    "logprobs": hostile(st.booleans()),
+    "top_logprobs": hostile(st.integers(0, 21)),
+    "continue_final_message": hostile(st.booleans()),
+    "add_generation_prompt": hostile(st.booleans()),
+    "chat_template_kwargs": hostile(st.dictionaries(st.text(max_size=6), json_value, max_size=2)),
+}
+
+
+def bodies(fields: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[bytes]:
+    objects = st.fixed_dictionaries({"model": st.just(SERVED_NAME)}, optional=fields)
+    # json.dumps writes NaN and Infinity literals, as a careless client's encoder does.
+    encoded = objects.map(lambda body: json.dumps(body).encode())
+    nested = st.integers(1, 20_000).map(
+        lambda depth: b'{"prompt": "hi", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+    )
+    return st.one_of(encoded, encoded, encoded, nested, st.binary(max_size=40))
+
+
+def _post_raw(server: ServerProcess, path: str, body: bytes) -> httpx.Response:
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{server.base_url}{path}", content=body, headers=headers, timeout=60)
+
+
+def _assert_answered(response: httpx.Response) -> None:
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert error["code"] == response.status_code and error["message"]
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        assert "\n\n" in response.text and '"code":5' not in response.text, response.text
+
+
+@pytest.mark.parametrize(
+    ("path", "fields"),
+    [("/v1/completions", COMPLETION_FIELDS), ("/v1/chat/completions", CHAT_FIELDS)],
+    ids=["completions", "chat"],
+)
+def test_hostile_bodies_never_answer_5xx(
+    fuzz_server: ServerProcess, path: str, fields: dict[str, st.SearchStrategy[Any]]
+) -> None:
+    @given(body=bodies(fields))
+    @settings(FUZZ_SETTINGS, max_examples=120)
+    def run(body: bytes) -> None:
+        _assert_answered(_post_raw(fuzz_server, path, body))
+
+    run()
+    assert_sound(fuzz_server)

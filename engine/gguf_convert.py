@@ -88,8 +88,17 @@ def read_gguf(path: Path) -> GGUFReader:
         raise GGUFConversionError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:
-    """Write the Hugging Face form of `gguf_path` into the existing, empty `out_dir`."""
+def convert_gguf(
+    gguf_path: Path,
+    out_dir: Path,
+    *,
+    progress: bool = True,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Write the Hugging Face form of `gguf_path` into the existing, empty `out_dir`.
+
+    `progress` draws a bar on stderr; `on_progress(done, total)` is called after each tensor
+    (for callers that show progress their own way)."""
     reader = read_gguf(gguf_path)
     meta = GGUFMetadata(reader)
     arch = meta.require("general.architecture")
@@ -116,7 +125,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
         file=sys.stderr,
         disable=not progress,
     )
-    _write_safetensors(out_dir / "model.safetensors", plan, (p.load() for p in bar))
+
+    def arrays() -> Iterator[np.ndarray]:
+        for done, item in enumerate(bar):
+            yield item.load()
+            if on_progress is not None:
+                on_progress(done + 1, len(plan))
+
+    _write_safetensors(out_dir / "model.safetensors", plan, arrays())
 
 
 def _llama_config(meta: GGUFMetadata, tensors: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import platformdirs
@@ -50,18 +51,25 @@ _ACCEPTED = (
 )
 
 
-def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
+def resolve_model(
+    model: str,
+    cache_dir: Path | None = None,
+    *,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Return a directory in Hugging Face layout for the model reference `model`.
 
     `cache_dir` overrides the cache root (default `$FLEETLLM_CACHE_DIR`, else the user cache
-    directory). Raises `ModelResolutionError` (a `ValueError`) for anything unusable.
+    directory). `on_progress(done, total)` follows a GGUF conversion tensor by tensor, in
+    place of the bar on stderr. Raises `ModelResolutionError` (a `ValueError`) for anything
+    unusable.
     """
     reference = model.strip()
     if not reference:
         raise ModelResolutionError(f"empty model reference; {_ACCEPTED}")
     alias = reference.removeprefix(BUILTIN_SCHEME).lower()
     if alias in BUILTIN_MODELS:
-        return _converted(builtin_gguf(alias), cache_dir)
+        return _converted(builtin_gguf(alias), cache_dir, on_progress)
     if reference.startswith(BUILTIN_SCHEME):
         raise ModelResolutionError(
             f"unknown built-in model {reference!r}; built-in models: {', '.join(BUILTIN_MODELS)}"
@@ -85,7 +93,7 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
         raise ModelResolutionError(f"model directory {reference!r} has no config.json{hint}")
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return _converted(path.resolve(), cache_dir)
+            return _converted(path.resolve(), cache_dir, on_progress)
         raise ModelResolutionError(f"model file {reference!r} is not a .gguf file; {_ACCEPTED}")
     raise ModelResolutionError(
         f"model {reference!r} is neither a built-in model nor an existing path; {_ACCEPTED}"
@@ -134,7 +142,9 @@ def converted_dir_for(gguf: Path, cache_dir: Path | None = None) -> Path:
     return cache_root(cache_dir) / "models" / f"{gguf.stem}-{digest}"
 
 
-def _converted(gguf: Path, cache_dir: Path | None) -> Path:
+def _converted(
+    gguf: Path, cache_dir: Path | None, on_progress: Callable[[int, int], None] | None = None
+) -> Path:
     target = converted_dir_for(gguf, cache_dir)
     if target.is_dir():
         return target
@@ -152,7 +162,7 @@ def _converted(gguf: Path, cache_dir: Path | None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any other
-            convert_gguf(gguf, tmp)
+            convert_gguf(gguf, tmp, progress=on_progress is None, on_progress=on_progress)
             os.replace(tmp, target)
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -10,6 +10,7 @@ from fleetllm.version import __version__
 
 def build_parser() -> argparse.ArgumentParser:
     from fleetllm.engine import cli as engine_cli
+    from fleetllm.local import cli as local_cli
     from fleetllm.operator import cli as operator_cli
     from fleetllm.router import cli as router_cli
 
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine_cli.register(sub)
     operator_cli.register(sub)
     router_cli.register(sub)
+    local_cli.register(sub)
     return parser
 
 

@@ -32,7 +32,7 @@ NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 NAME_MAX_LENGTH = 56
 # The served model name becomes the `fleetllm.io/model` label value of every child.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
-SOURCE_PATTERN = r"^(hf://[^/@\s]+/[^/@\s]+(@[^@\s]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/\S*)?|s3://[^/\s]+(/\S*)?|builtin://[-a-z0-9.]+)$"
+SOURCE_PATTERN = r"^(hf://[^/@\s]+/[^/@\s]+(@[^@\s]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/\S*)?|s3://[^/\s]+(/\S*)?|builtin://[-a-z0-9.]+|file://\S+)$"
 QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[KMGTPE]i?|[mkunM])?$"
 
 Quantity = Annotated[
@@ -107,7 +107,9 @@ class ModelSpec(_Model):
     source: str = Field(
         pattern=SOURCE_PATTERN,
         description="Where the weights come from: hf://org/name[@revision], "
-        "pvc://claim[/path], s3://bucket/path, or builtin://smollm2-135m (in the image).",
+        "pvc://claim[/path], s3://bucket/path, builtin://smollm2-135m (in the image), or "
+        "file://path (a local folder or .gguf file; `fleetllm up` only, relative paths are "
+        "read from the manifest's folder).",
     )
     architecture: str | None = Field(
         None,
@@ -433,9 +435,10 @@ class ModelSource(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    scheme: Literal["hf", "pvc", "s3", "builtin"]
+    scheme: Literal["hf", "pvc", "s3", "builtin", "file"]
     location: str
-    """hf: org/name; pvc: the claim; s3: bucket/path; builtin: the model's name."""
+    """hf: org/name; pvc: the claim; s3: bucket/path; builtin: the model's name; file: a
+    local path."""
     revision: str | None = None
     path: str = ""
     """pvc: the model's folder inside the claim."""
@@ -443,7 +446,9 @@ class ModelSource(BaseModel):
     @classmethod
     def parse(cls, source: str) -> ModelSource:
         if not re.match(SOURCE_PATTERN, source):
-            raise ValueError(f"model source {source!r} is not hf://, pvc://, s3:// or builtin://")
+            raise ValueError(
+                f"model source {source!r} is not hf://, pvc://, s3://, builtin:// or file://"
+            )
         scheme, rest = source.split("://", 1)
         if scheme == "hf":
             repo, _, revision = rest.partition("@")

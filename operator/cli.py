@@ -191,7 +191,8 @@ def _plan_record(cr: LLMDeployment, result: Plan | PlanError) -> dict[str, Any]:
     return record
 
 
-def _table(cr: LLMDeployment, result: Plan | PlanError) -> str:
+def plan_summary(cr: LLMDeployment, result: Plan | PlanError) -> str:
+    """What `fleetllm plan` prints for one LLMDeployment: its plan, or why it is refused."""
     title = f"{cr.metadata.name} (model {cr.spec.model.name})"
     if isinstance(result, PlanError):
         return f"{title}: REFUSED ({result.reason})\n  {result.message}\n"
@@ -235,7 +236,7 @@ def _table(cr: LLMDeployment, result: Plan | PlanError) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     results = _plan_all(args.filename, config_from_args(args))
     if args.output == "table":
-        sys.stdout.write("\n".join(_table(cr, result) for cr, result in results))
+        sys.stdout.write("\n".join(plan_summary(cr, result) for cr, result in results))
     else:
         records = [_plan_record(cr, result) for cr, result in results]
         if args.output == "json":

@@ -579,13 +579,23 @@ def plan(
     spec: LLMDeploymentSpec,
     config: OperatorConfig = DEFAULT_CONFIG,
     claim_access_modes: Mapping[str, Sequence[str]] | None = None,
+    *,
+    local: bool = False,
 ) -> Plan:
     """Plan one replica of `spec`, or raise PlanError with the reason and what would fit.
-    `claim_access_modes`: the access modes of the claims in `claims_to_check` that exist."""
+    `claim_access_modes`: the access modes of the claims in `claims_to_check` that exist.
+    `local`: the replica runs as a process on this machine (`fleetllm up`), where file://
+    sources are local paths; in a cluster they name nothing and are refused."""
     gpu = resolve_gpu(spec.gpu.type)
     _check_backend(spec, gpu)
-    arch = resolve_arch(spec)
     source = ModelSource.parse(spec.model.source)
+    if source.scheme == "file" and not local:
+        raise PlanError(
+            "UnsupportedSource",
+            f"model.source {spec.model.source!r} is a path on one machine, served only by "
+            "`fleetllm up`; in a cluster use pvc://, hf://, s3:// or builtin://",
+        )
+    arch = resolve_arch(spec)
     _check_source(spec, source)
     node_selector = _node_selector(spec, gpu, config)
     check_claims(spec, config, claim_access_modes or {})
@@ -701,8 +711,9 @@ MODEL_CACHE_MOUNT = "/var/lib/fleetllm/models"
 
 
 def model_location(source: ModelSource) -> str:
-    """What the engine loads: a built-in model's name, or a folder in the pod."""
-    if source.scheme == "builtin":
+    """What the engine loads: a built-in model's name, a local path (file://, for
+    `fleetllm up`), or a folder in the pod."""
+    if source.scheme in ("builtin", "file"):
         return source.location
     if source.scheme == "pvc":
         return f"{MODEL_MOUNT}/{source.path}" if source.path else MODEL_MOUNT

@@ -215,6 +215,12 @@ class ReplicaPool:
             log.info("fleet: %s", discovery_summary(fleet))
         self.synced = True
 
+    def in_flight(self, model: str, url: str) -> int:
+        """Requests open to one replica (0 for a replica the pool does not know)."""
+        pool = self.models.get(model)
+        pooled = pool.replicas.get(url) if pool is not None else None
+        return pooled.replica.in_flight if pooled is not None else 0
+
     def _drop_replica(self, model: ModelPool, url: str) -> None:
         pooled = model.replicas.pop(url)
         pooled.removed = True

@@ -134,6 +134,27 @@ def test_tied_gguf_has_no_lm_head(
         assert "model.embed_tokens.weight" in f.keys()  # noqa: SIM118
 
 
+def test_conversion_progress_goes_to_a_callback_tensor_by_tensor(
+    tmp_path: Path,
+    make_tiny_llama: Callable,
+    make_llama_gguf: Callable,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = make_tiny_llama()
+    gguf_file = make_llama_gguf(tmp_path / "tiny.gguf", model)
+    seen: list[tuple[int, int]] = []
+    converted = resolve_model(
+        str(gguf_file), cache_dir=tmp_path / "cache", on_progress=lambda *p: seen.append(p)
+    )
+    total = len(model.state_dict())
+    assert seen == [(done, total) for done in range(1, total + 1)]
+    assert "Converting" not in capsys.readouterr().err  # no bar beside the callback
+    # A converted model is not converted again: no progress at all.
+    seen.clear()
+    assert resolve_model(str(gguf_file), cache_dir=tmp_path / "cache", on_progress=seen.append)
+    assert converted.is_dir() and seen == []
+
+
 def test_linear_rope_scaling_is_carried_over(
     tmp_path: Path, make_tiny_llama: Callable, make_llama_gguf: Callable
 ) -> None:

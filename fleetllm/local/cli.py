@@ -1,0 +1,223 @@
+"""`fleetllm up`: the whole fleet on this machine, behind one OpenAI endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import platformdirs
+
+if TYPE_CHECKING:
+    from fleetllm.local.launch import LocalModel
+
+PORT_ENV = "FLEETLLM_PORT"
+DEFAULT_PORT = 8000
+STATUS_PERIOD_S = 1.0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up",
+        help="run the whole fleet on this machine (engines, router, autoscaler)",
+        description="Plan each LLMDeployment as the operator would, run its replicas as local "
+        "processes, and serve every model through one OpenAI-compatible endpoint, scaled on "
+        "KV-cache usage and queue time. Without -f: SmolLM2-135M-Instruct on the CPU, one "
+        "replica, two under load. Ctrl-C or SIGTERM drains and stops everything.",
+    )
+    p.add_argument(
+        "-f",
+        "--filename",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="FILE",
+        help="YAML file of LLMDeployments (repeatable; default: the built-in SmolLM2 one)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address of the endpoint (%(default)s)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help=f"port of the endpoint (default: ${PORT_ENV}, else {DEFAULT_PORT})",
+    )
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="where the replicas' and the router's logs go (default: a new folder in the "
+        "user log directory)",
+    )
+    p.add_argument(
+        "--shutdown-grace-period",
+        type=float,
+        default=30.0,
+        help="seconds open requests get to finish on Ctrl-C/SIGTERM (default: %(default)s)",
+    )
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=cmd_up)
+
+
+def _port(args: argparse.Namespace) -> int:
+    if args.port is not None:
+        port = args.port
+    else:
+        raw = os.environ.get(PORT_ENV, str(DEFAULT_PORT))
+        if not raw.isdigit():
+            raise ValueError(f"${PORT_ENV} must be a port number, got {raw!r}")
+        port = int(raw)
+    if not 0 < port < 65536:
+        raise ValueError(f"--port must be 1..65535, got {port}")
+    return port
+
+
+def _log_dir(args: argparse.Namespace) -> Path:
+    if args.log_dir is not None:
+        return args.log_dir
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(platformdirs.user_log_dir("fleetllm")) / f"up-{stamp}-{os.getpid()}"
+
+
+def _configure_logging(level: str, log_dir: Path) -> None:
+    from fleetllm.logs import JSONFormatter
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(JSONFormatter())
+    logging.basicConfig(level=level.upper(), handlers=[console], force=True)
+    # One line per request would bury the status view; the router keeps its own log.
+    router_log = logging.FileHandler(log_dir / "router.log")
+    router_log.setFormatter(JSONFormatter())
+    router = logging.getLogger("fleetllm.router")
+    router.handlers[:] = [router_log]
+    router.propagate = False
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from fleetllm.local.deployments import FleetError, check_gpus, load_fleet, local_gpus
+    from fleetllm.operator.cli import plan_summary
+
+    if args.shutdown_grace_period < 0:
+        raise ValueError("--shutdown-grace-period must not be negative")
+    port = _port(args)
+    try:
+        models = load_fleet(args.filename)
+        gpus = local_gpus() if any(m.devices_per_replica for m in models) else []
+        check_gpus(models, len(gpus))
+    except FleetError as exc:
+        print(f"fleetllm up: cannot start the fleet:\n{exc}", file=sys.stderr)
+        return 1
+    for model in models:
+        sys.stderr.write(f"{model.where}: {plan_summary(model.cr, model.plan)}")
+    log_dir = _log_dir(args)
+    _configure_logging(args.log_level, log_dir)
+    return asyncio.run(
+        run_fleet(
+            models,
+            host=args.host,
+            port=port,
+            log_dir=log_dir,
+            grace_s=args.shutdown_grace_period,
+            gpus=gpus,
+        )
+    )
+
+
+async def run_fleet(
+    models: list[LocalModel],
+    *,
+    host: str,
+    port: int,
+    log_dir: Path,
+    grace_s: float,
+    gpus: list[str],
+) -> int:
+    from aiohttp import web
+
+    from fleetllm.local.launch import GPUPool, cpu_threads
+    from fleetllm.local.status import StatusView
+    from fleetllm.local.supervisor import Supervisor, SupervisorSettings
+    from fleetllm.router.config import RouterSettings
+    from fleetllm.router.server import Router
+
+    log = logging.getLogger("fleetllm.local")
+    shown_host = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::") else host
+    endpoint = f"http://{shown_host}:{port}/v1"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpu_replicas = sum(m.max_replicas for m in models if not m.plan.gpu.is_gpu)
+    settings = SupervisorSettings(
+        log_dir=log_dir,
+        endpoint=endpoint,
+        grace_s=grace_s,
+        cpu_threads=cpu_threads(cores or 1, cpu_replicas),
+    )
+    router: Router | None = None
+
+    def in_flight(model: str, url: str) -> int:
+        return router.pool.in_flight(model, url) if router is not None else 0
+
+    supervisor = Supervisor(models, settings, gpus=GPUPool(gpus), in_flight=in_flight)
+    router = Router(RouterSettings(host=host, port=port), supervisor.discovery)
+    runner = web.AppRunner(
+        router.app(), handler_cancellation=True, access_log=None, shutdown_timeout=grace_s
+    )
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        print(
+            f"fleetllm up: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr
+        )
+        return 1
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            # A second signal: no more waiting. Every guard kills its tree when we are gone.
+            log.warning("stopping at once", extra={"signal": sig.name})
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        log.info("stopping: draining", extra={"signal": sig.name})
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    log.info(
+        "fleet starting",
+        extra={"endpoint": endpoint, "models": [m.name for m in models], "logs": str(log_dir)},
+    )
+    with StatusView(sys.stdout) as view:
+
+        async def show_status() -> None:
+            while True:
+                view.show(supervisor.views())
+                await asyncio.sleep(STATUS_PERIOD_S)
+
+        status = asyncio.create_task(show_status())
+        await supervisor.start()
+        ended = [asyncio.create_task(stop.wait()), asyncio.create_task(supervisor.failed.wait())]
+        await asyncio.wait(ended, return_when=asyncio.FIRST_COMPLETED)
+        for task in ended:
+            task.cancel()
+        deadline = time.monotonic() + grace_s
+        # The router first: no new requests, open ones finish on the replicas still serving.
+        await runner.cleanup()
+        await supervisor.shutdown(max(0.0, deadline - time.monotonic()))
+        status.cancel()
+        view.show(supervisor.views())
+    log.info("fleet stopped", extra={"logs": str(log_dir)})
+    if supervisor.failure is not None:
+        print(f"fleetllm up: {supervisor.failure}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,213 @@
+"""The LLMDeployments `fleetllm up` runs: read from manifests (or the built-in default),
+checked for what one machine can serve, and planned by the operator's planner.
+
+Every problem of every manifest is collected before anything starts, so that one run of
+`fleetllm up` shows all of them; a refused plan reads exactly as `fleetllm plan` prints it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from fleetllm.local.launch import LocalModel
+from fleetllm.operator.api import (
+    LLMDeployment,
+    ModelConfig,
+    ModelSource,
+    format_validation_error,
+    load_llmdeployments,
+    parse_llmdeployment,
+)
+from fleetllm.operator.cli import plan_summary
+from fleetllm.operator.planner import PlanError, plan
+
+DEFAULT_MANIFEST: dict[str, Any] = {
+    "apiVersion": "fleetllm.io/v1alpha1",
+    "kind": "LLMDeployment",
+    "metadata": {"name": "smollm2"},
+    "spec": {
+        "model": {"name": "smollm2-135m", "source": "builtin://smollm2-135m"},
+        "gpu": {"type": "cpu"},
+        "scaling": {"minReplicas": 1, "maxReplicas": 2},
+    },
+}
+DEFAULT_WHERE = "the built-in default"
+
+# Which sources each backend loads on this machine: the builtin engine reads local files only;
+# vLLM downloads from the hub and streams from S3 by itself.
+LOCAL_SOURCES = {"builtin": ("builtin", "file"), "vllm": ("hf", "s3", "file")}
+
+
+class FleetError(ValueError):
+    """A fleet that cannot start; the message lists every reason."""
+
+
+def default_deployment() -> LLMDeployment:
+    """SmolLM2-135M-Instruct on the CPU, one replica, two under load."""
+    return parse_llmdeployment(DEFAULT_MANIFEST, DEFAULT_WHERE)
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
+    """The planner's view of a Hugging Face `config.json`."""
+    return ModelConfig(
+        num_layers=config["num_hidden_layers"],
+        hidden_size=config["hidden_size"],
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config.get("num_key_value_heads"),
+        head_dim=config.get("head_dim"),
+        vocab_size=config["vocab_size"],
+        max_position_embeddings=config["max_position_embeddings"],
+        intermediate_size=config.get("intermediate_size"),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def localize(cr: LLMDeployment, base: Path) -> LLMDeployment:
+    """A file:// source as an absolute path (relative ones are read from `base`, the
+    manifest's folder); a local Hugging Face folder sizes the model by its config.json
+    when the manifest names no architecture."""
+    source = ModelSource.parse(cr.spec.model.source)
+    if source.scheme != "file":
+        return cr
+    path = (base / Path(source.location).expanduser()).resolve()
+    if not path.exists():
+        raise FleetError(f"model.source {cr.spec.model.source!r}: {path} does not exist")
+    model = cr.spec.model.model_copy(update={"source": f"file://{path}"})
+    config_file = path / "config.json"
+    if model.config is None and model.architecture is None and config_file.is_file():
+        try:
+            model = model.model_copy(
+                update={"config": model_config_from_hf(json.loads(config_file.read_text()))}
+            )
+        except (ValueError, KeyError, TypeError, ValidationError) as exc:
+            detail = format_validation_error(exc) if isinstance(exc, ValidationError) else exc
+            raise FleetError(
+                f"{config_file}: cannot size the model from it ({detail}); give "
+                "model.architecture or model.config"
+            ) from None
+    spec = cr.spec.model_copy(update={"model": model})
+    return cr.model_copy(update={"spec": spec})
+
+
+def _local_problems(cr: LLMDeployment, vllm: bool) -> list[str]:
+    spec = cr.spec
+    problems = []
+    source = ModelSource.parse(spec.model.source)
+    if source.scheme not in LOCAL_SOURCES[spec.engine.backend]:
+        usable = ", ".join(f"{s}://" for s in LOCAL_SOURCES[spec.engine.backend])
+        problems.append(
+            f"model.source {spec.model.source!r}: the {spec.engine.backend} engine cannot load "
+            f"a {source.scheme}:// source on this machine (it loads {usable})"
+        )
+    if spec.engine.backend == "vllm" and not vllm:
+        problems.append(
+            "engine.backend vllm runs the vLLM OpenAI server, which is not installed here; "
+            "install it (pip install 'fleetllm[vllm]') or use engine.backend: builtin"
+        )
+    for index, var in enumerate(spec.engine.env):
+        if var.value_from is not None:
+            problems.append(
+                f"engine.env[{index}] ({var.name}): valueFrom reads a cluster's Secrets or "
+                "ConfigMaps; give a value"
+            )
+    return problems
+
+
+def load_fleet(paths: Sequence[Path], *, vllm: bool | None = None) -> list[LocalModel]:
+    """The planned models of the manifests in `paths` (the built-in default when empty).
+    Raises FleetError with every problem, and ValueError/FileNotFoundError for unreadable
+    manifests."""
+    vllm = vllm_installed() if vllm is None else vllm
+    found: list[tuple[LLMDeployment, str, Path]] = []
+    if not paths:
+        found.append((default_deployment(), DEFAULT_WHERE, Path.cwd()))
+    for path in paths:
+        for cr in load_llmdeployments(path):
+            found.append((cr, str(path), path.resolve().parent))
+
+    problems: list[str] = []
+    seen_names: dict[str, str] = {}
+    seen_models: dict[str, str] = {}
+    models: list[LocalModel] = []
+    for given, where, base in found:
+        name, served = given.metadata.name, given.spec.model.name
+        title = f"{where}: {name} (model {served})"
+        if name in seen_names:
+            problems.append(f"{title}: a second LLMDeployment named {name}")
+            continue
+        if served in seen_models:
+            problems.append(
+                f"{title}: model {served} is already served by {seen_models[served]}; give "
+                "each LLMDeployment its own model.name"
+            )
+            continue
+        seen_names[name] = where
+        seen_models[served] = name
+        try:
+            cr = localize(given, base)
+        except FleetError as exc:
+            problems.append(f"{title}: {exc}")
+            continue
+        local = _local_problems(cr, vllm)
+        problems += [f"{title}: {problem}" for problem in local]
+        try:
+            planned = plan(cr.spec, local=True)
+        except PlanError as exc:
+            problems.append(f"{where}: {plan_summary(cr, exc).rstrip()}")
+            continue
+        if not local:
+            models.append(LocalModel(cr, planned, where))
+    if problems:
+        raise FleetError("\n".join(problems))
+    return models
+
+
+def local_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """This machine's GPUs as CUDA_VISIBLE_DEVICES entries: that variable's own list when it
+    is set, else what nvidia-smi lists (none without it)."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        # CUDA stops at the first invalid entry; -1 is the usual way to hide every GPU.
+        entries = [d.strip() for d in visible.split(",")]
+        return entries[: entries.index("-1")] if "-1" in entries else [d for d in entries if d]
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in listed.stdout.splitlines() if line.strip()]
+
+
+def check_gpus(models: Sequence[LocalModel], gpus: int) -> None:
+    """Refuse a fleet whose first replicas need more GPUs than the machine has (more
+    replicas later wait for free GPUs)."""
+    wanted = [(m, m.initial_replicas * m.devices_per_replica) for m in models]
+    need = sum(count for _, count in wanted)
+    if need > gpus:
+        detail = ", ".join(
+            f"{m.cr.metadata.name}: {m.initial_replicas} x {m.devices_per_replica} "
+            f"{m.plan.gpu.name}"
+            for m, count in wanted
+            if count
+        )
+        raise FleetError(
+            f"the first replicas need {need} GPUs ({detail}); this machine has {gpus} "
+            "(CUDA_VISIBLE_DEVICES, else nvidia-smi)"
+        )

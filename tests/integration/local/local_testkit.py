@@ -1,0 +1,189 @@
+"""Helpers for the local fleet tests: `fleetllm up` as a subprocess, its log events, and
+process trees (whether any of their processes is still alive)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import openai
+import psutil
+
+ROOT = Path(__file__).resolve().parents[3]
+
+GUARD_S = 60.0  # hang guard only
+
+
+def wait_until(predicate: Callable[[], bool], what: str, guard_s: float = GUARD_S) -> None:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > guard_s:
+            raise AssertionError(f"not reached within the {guard_s}s hang guard: {what}")
+        time.sleep(0.05)
+
+
+def snapshot(pids: Iterable[int]) -> list[psutil.Process]:
+    """Processes by pid, remembered with their start time, so that a pid reused later by an
+    unrelated process is not taken for a survivor."""
+    found = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            process.create_time()
+            found.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        # is_running() compares the start time; a zombie has ended, only not been reaped yet.
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def survivors(processes: Iterable[psutil.Process]) -> list[str]:
+    return [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in processes if alive(p)]
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+class Up:
+    """`fleetllm up` as a subprocess on a free port: its status lines in `status.txt`, its
+    JSON log in `events.log`, the replicas' logs in `logs/`."""
+
+    def __init__(
+        self,
+        args: list[str],
+        workdir: Path,
+        *,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.events_path = workdir / "events.log"
+        self.status_path = workdir / "status.txt"
+        cmd = command or [
+            sys.executable, "-m", "fleetllm.cli", "up", *args,
+            "--port", str(self.port), "--log-dir", str(workdir / "logs"),
+        ]  # fmt: skip
+        environment = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "FLEETLLM_PORT": str(self.port),
+            # Where the default log folder goes when no --log-dir is given.
+            "XDG_STATE_HOME": str(workdir / "state"),
+            **(env or {}),
+        }
+        with self.status_path.open("wb") as out, self.events_path.open("wb") as err:
+            # A session of its own, as a terminal gives a command: Ctrl-C is a SIGINT to it.
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=err, env=environment, cwd=ROOT, start_new_session=True
+            )
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self._seen: list[psutil.Process] = []
+
+    def events(self) -> list[dict[str, Any]]:
+        found = []
+        for line in self.events_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    found.append(json.loads(line))
+        return found
+
+    def find(self, msg: str, **fields: Any) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in self.events()
+            if e.get("msg") == msg and all(e.get(k) == v for k, v in fields.items())
+        ]
+
+    def wait_for(
+        self, msg: str, count: int = 1, guard_s: float = GUARD_S, **fields: Any
+    ) -> list[dict[str, Any]]:
+        """The first `count` events `msg` with these fields, once there are that many."""
+
+        def seen() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"fleetllm up exited with {self.proc.returncode}:\n"
+                    + self.events_path.read_text(errors="replace")[-4000:]
+                )
+            return len(self.find(msg, **fields)) >= count
+
+        wait_until(seen, f"{count} x {msg!r} {fields}", guard_s)
+        return self.find(msg, **fields)[:count]
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key="-", max_retries=0, timeout=120)
+
+    def tree(self) -> list[psutil.Process]:
+        """Every process below `fleetllm up` now (guards, engines, their children); all are
+        remembered, so that `close` can make sure none is left even if a test fails."""
+        found = descendants(self.proc.pid)
+        self._seen += found
+        return found
+
+    def engines(self) -> list[psutil.Process]:
+        """The guards' children: the engine processes of the replicas."""
+        tree = self.tree()
+        guards = {p.pid for p in tree if "fleetllm.local.guard" in _cmdline(p)}
+        return [p for p in tree if _ppid(p) in guards]
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, guard_s: float = GUARD_S) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(guard_s)
+
+    def interrupt(self, guard_s: float = GUARD_S) -> int:
+        """Ctrl-C, as a terminal sends it: SIGINT to the command's process group."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        return self.proc.wait(guard_s)
+
+    def close(self) -> None:
+        """Leave nothing running, whatever happened in the test."""
+        self.tree()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for process in self._seen:
+            if alive(process):
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _ppid(process: psutil.Process) -> int | None:
+    try:
+        return process.ppid()
+    except psutil.Error:
+        return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,130 @@
+"""A local replica runs the planned command with the planned arguments; only the address,
+the interpreter, the drain time and the CPU threads are its own."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleetllm.local.deployments import load_fleet
+from fleetllm.local.launch import (
+    GPUPool,
+    LocalModel,
+    cpu_threads,
+    model_reference,
+    replica_argv,
+    replica_env,
+)
+
+VLLM_TP2 = """\
+apiVersion: fleetllm.io/v1alpha1
+kind: LLMDeployment
+metadata: {name: qwen}
+spec:
+  model: {name: qwen-7b, source: hf://Qwen/Qwen2.5-7B-Instruct}
+  engine:
+    backend: vllm
+    env: [{name: VLLM_LOGGING_LEVEL, value: DEBUG}]
+  parallelism: {tensor: 2}
+  gpu: {type: L4}
+  maxModelLen: 8192
+  scaling: {minReplicas: 1, maxReplicas: 3}
+"""
+
+
+def _model(tmp_path: Path, text: str, *, vllm: bool = False) -> LocalModel:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(text)
+    (model,) = load_fleet([path], vllm=vllm)
+    return model
+
+
+def _pairs(argv: list[str]) -> dict[str, str]:
+    return {a: b for a, b in itertools.pairwise(argv) if a.startswith("--")}
+
+
+def test_builtin_replica_runs_the_planned_engine_on_loopback() -> None:
+    (model,) = load_fleet([])
+    argv = replica_argv(model, 43210, threads=1, drain_seconds=12)
+    assert argv[:3] == [sys.executable, "-m", "fleetllm.cli"]
+    assert argv[3:5] == ["engine", "serve"]
+    flags = _pairs(argv)
+    assert flags["--host"] == "127.0.0.1"
+    assert flags["--port"] == "43210"
+    assert flags["--shutdown-grace-period"] == "12"
+    assert flags["--num-threads"] == "1"
+    # Every planned flag is there with its planned value, the address aside.
+    planned = _pairs(list(model.plan.args))
+    for flag, value in planned.items():
+        if flag not in ("--host", "--port"):
+            assert flags[flag] == value, flag
+    assert flags["--num-kv-blocks"] == str(model.plan.status.num_kv_blocks)
+    assert model_reference(model) == "smollm2-135m"
+
+
+def test_extra_args_win_over_local_defaults(tmp_path: Path) -> None:
+    model = _model(
+        tmp_path,
+        """\
+apiVersion: fleetllm.io/v1alpha1
+kind: LLMDeployment
+metadata: {name: smol}
+spec:
+  model: {name: smol, source: builtin://smollm2-135m}
+  engine: {extraArgs: ["--num-threads=3", "--shutdown-grace-period", "7"]}
+  gpu: {type: cpu}
+""",
+    )
+    argv = replica_argv(model, 1234, threads=1, drain_seconds=60)
+    assert "--num-threads=3" in argv
+    assert argv.count("--shutdown-grace-period") == 1
+    assert _pairs(argv)["--shutdown-grace-period"] == "7"
+    assert "--num-threads" not in argv
+
+
+def test_vllm_replica_runs_the_planned_vllm_server(tmp_path: Path) -> None:
+    model = _model(tmp_path, VLLM_TP2, vllm=True)
+    argv = replica_argv(model, 5555, threads=None, drain_seconds=30)
+    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    flags = _pairs(argv)
+    assert flags["--model"] == "Qwen/Qwen2.5-7B-Instruct"
+    assert flags["--tensor-parallel-size"] == "2"
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "5555"
+    assert "--enable-prefix-caching" in argv
+    # Our engine's flags are not vLLM's.
+    assert "--shutdown-grace-period" not in argv and "--num-threads" not in argv
+    assert model.devices_per_replica == 2
+
+    env = replica_env(model, {"PATH": "/bin"}, ("2", "3"))
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["VLLM_NO_USAGE_STATS"] == "1"
+    assert env["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    assert env["PATH"] == "/bin"
+
+
+def test_cpu_replicas_share_the_cores() -> None:
+    assert cpu_threads(16, 2) == 8
+    assert cpu_threads(2, 2) == 1
+    assert cpu_threads(2, 5) == 1
+    assert cpu_threads(8, 0) == 8
+
+
+def test_gpu_pool_hands_out_whole_devices_and_takes_them_back() -> None:
+    pool = GPUPool(["0", "1", "2"])
+    first = pool.take(2)
+    assert first == ("0", "1")
+    assert pool.take(2) is None
+    assert pool.take(1) == ("2",)
+    pool.give_back(first)
+    assert pool.take(3) is None
+    assert pool.take(2) == ("0", "1")
+
+
+@pytest.mark.parametrize("port", [1, 65535])
+def test_the_address_is_replaced_not_added(port: int) -> None:
+    (model,) = load_fleet([])
+    argv = replica_argv(model, port, threads=None, drain_seconds=1)
+    assert argv.count("--port") == 1 and argv.count("--host") == 1

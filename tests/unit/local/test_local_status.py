@@ -1,0 +1,82 @@
+"""The status view: every field of a model in its plain line, a line only on change, and the
+live table with bars while a model is prepared or a replica loads."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from fleetllm.local.policy import State
+from fleetllm.local.status import ModelView, ReplicaView, StatusView, plain_line, table
+
+
+def _view(**changes: object) -> ModelView:
+    fields: dict[str, object] = {
+        "name": "tiny",
+        "endpoint": "http://localhost:8000/v1",
+        "desired": 2,
+        "replicas": (
+            ReplicaView("tiny-0", State.READY, "http://127.0.0.1:4000", 1, 30.0),
+            ReplicaView("tiny-1", State.STARTING, "http://127.0.0.1:4001", 0, 3.2),
+        ),
+        "kv_usage": 0.375,
+        "waiting": 4.0,
+        "queue_p90_s": 1.25,
+        "last_scale": "2 replicas: queue time p90 1.25s above target 0.50s",
+        "preparing": None,
+    }
+    fields.update(changes)
+    return ModelView(**fields)  # type: ignore[arg-type]
+
+
+def test_plain_line_carries_every_field() -> None:
+    line = plain_line(_view())
+    assert line.startswith("status model=tiny endpoint=http://localhost:8000/v1 replicas=1/2 ")
+    for part in (
+        "kv=38%",
+        "waiting=4",
+        "queue_p90=1.25s",
+        "others=starting",
+        "restarts=1",
+        "last_scale='2 replicas: queue time p90 1.25s above target 0.50s'",
+    ):
+        assert part in line
+    unknown = plain_line(_view(kv_usage=None, waiting=None, queue_p90_s=None, last_scale=None))
+    assert "kv=- waiting=- queue_p90=-" in unknown and "last_scale" not in unknown
+    assert "preparing=10/272" in plain_line(_view(preparing=(10, 272)))
+
+
+def test_plain_view_writes_a_line_per_change_not_per_refresh() -> None:
+    out = io.StringIO()
+    view = StatusView(out, live=False, min_interval_s=0.0)
+    with view:
+        view.show([_view()])
+        view.show([_view()])
+        view.show([_view(waiting=5.0)])
+        view.show([_view(waiting=5.0)])
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert "waiting=4" in lines[0] and "waiting=5" in lines[1]
+
+
+def test_plain_view_holds_a_fast_change_back_until_the_interval_passed() -> None:
+    out = io.StringIO()
+    view = StatusView(out, live=False, min_interval_s=3600.0)
+    view.show([_view()])
+    view.show([_view(waiting=9.0)])
+    assert out.getvalue().count("\n") == 1
+    view.min_interval_s = 0.0
+    view.show([_view(waiting=9.0)])
+    assert "waiting=9" in out.getvalue().splitlines()[-1]
+
+
+def test_live_table_shows_the_figures_and_progress_bars() -> None:
+    console = Console(record=True, width=160, file=io.StringIO())
+    console.print(table([_view(preparing=(68, 272))]))
+    text = console.export_text()
+    for part in ("tiny", "http://localhost:8000/v1", "1/2", "38%", "1.25s", "queue time p90"):
+        assert part in text
+    assert "tiny: converting the weights" in text and "68/272 tensors" in text
+    assert "tiny-1: loading" in text
+    assert "━" in text  # the bars are drawn

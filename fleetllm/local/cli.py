@@ -140,6 +140,7 @@ async def run_fleet(
 ) -> int:
     from aiohttp import web
 
+    from fleetllm.local.autoscaler import run_autoscaler
     from fleetllm.local.launch import GPUPool, cpu_threads
     from fleetllm.local.status import StatusView
     from fleetllm.local.supervisor import Supervisor, SupervisorSettings
@@ -206,6 +207,9 @@ async def run_fleet(
 
         status = asyncio.create_task(show_status())
         await supervisor.start()
+        assert supervisor.session is not None
+        for fleet in supervisor.fleets.values():
+            supervisor.spawn(run_autoscaler(supervisor, fleet, supervisor.session))
         ended = [asyncio.create_task(stop.wait()), asyncio.create_task(supervisor.failed.wait())]
         await asyncio.wait(ended, return_when=asyncio.FIRST_COMPLETED)
         for task in ended:

@@ -48,7 +48,10 @@ class LocalModel:
     @property
     def max_replicas(self) -> int:
         scaling = self.cr.spec.scaling
-        return self.cr.spec.desired_replicas() if scaling is None else scaling.max_replicas
+        if scaling is None:
+            # Without scaling, a model at zero replicas still gets one on demand.
+            return max(1, self.cr.spec.desired_replicas())
+        return scaling.max_replicas
 
     @property
     def initial_replicas(self) -> int:

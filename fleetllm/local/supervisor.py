@@ -89,6 +89,10 @@ class ModelFleet:
     preparing: tuple[int, int] | None = None
     last_scale: str | None = None
     load: Load = field(default_factory=Load)
+    demand_time: float | None = None
+    """When the router last held requests for want of a ready replica."""
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set to make the autoscaler step at once."""
 
     @property
     def name(self) -> str:
@@ -155,7 +159,7 @@ class Supervisor:
         self.stopping = False
         self.failure: str | None = None
         self.failed = asyncio.Event()
-        self._session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._preparing: list[GuardedProcess] = []
 
@@ -163,10 +167,10 @@ class Supervisor:
 
     async def start(self) -> None:
         self.settings.log_dir.mkdir(parents=True, exist_ok=True)
-        self._session = aiohttp.ClientSession()
+        self.session = aiohttp.ClientSession()
         self.publish()
         for fleet in self.fleets.values():
-            self._spawn_task(self._prepare(fleet))
+            self.spawn(self._prepare(fleet))
 
     async def shutdown(self, grace_s: float) -> None:
         """Drain and stop every replica; whatever still runs after `grace_s` is killed."""
@@ -191,8 +195,8 @@ class Supervisor:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
+        if self.session is not None:
+            await self.session.close()
 
     def fail(self, message: str) -> None:
         """Something the fleet cannot go on without: stop, and exit non-zero."""
@@ -201,7 +205,8 @@ class Supervisor:
             log.error("the fleet cannot run", extra={"reason": message})
         self.failed.set()
 
-    def _spawn_task(self, coro: Any) -> asyncio.Task[Any]:
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """Run `coro` until the supervisor shuts down; its failure stops the fleet."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
@@ -231,15 +236,21 @@ class Supervisor:
                     "reason": reason,
                 },
             )
+            fleet.last_scale = f"{fleet.desired} -> {desired}: {reason}"
             fleet.desired = desired
-            fleet.last_scale = f"{desired} replicas: {reason}"
         self.reconcile(fleet)
 
     def demand(self, name: str) -> None:
-        """The router holds requests for a model without a ready replica."""
+        """The router holds requests for a model without a ready replica: the autoscaler
+        weighs that at once (from zero it asks for one replica). A model without
+        `spec.scaling` gets one replica, as `kubectl scale` would give it in a cluster."""
         fleet = self.fleets.get(name)
-        if fleet is not None and fleet.desired == 0 and not self.stopping:
-            self.set_desired(name, 1, "requests arrived while at zero replicas")
+        if fleet is None or self.stopping:
+            return
+        fleet.demand_time = time.monotonic()
+        fleet.wake.set()
+        if fleet.model.cr.spec.scaling is None and fleet.desired == 0:
+            self.set_desired(name, 1, "the router holds requests for it")
 
     def reconcile(self, fleet: ModelFleet) -> None:
         if self.stopping or not fleet.prepared:
@@ -257,7 +268,7 @@ class Supervisor:
             name = f"{fleet.model.cr.metadata.name}-{key}"
             replica = Replica(key, name, self.settings.log_dir / f"{name}.log")
             fleet.replicas[key] = replica
-            self._spawn_task(self._lifecycle(fleet, replica))
+            self.spawn(self._lifecycle(fleet, replica))
 
     # -- the router's view -----------------------------------------------------------------
 
@@ -475,9 +486,9 @@ class Supervisor:
         )
 
     async def _healthy(self, url: str) -> bool:
-        assert self._session is not None
+        assert self.session is not None
         try:
-            async with self._session.get(
+            async with self.session.get(
                 url + "/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
             ) as response:
                 await response.read()

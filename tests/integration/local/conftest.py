@@ -12,8 +12,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 from tinymodels import write_tiny_chat_model
 
-# The scaling figures are short so that a test sees a whole scale-up and scale-down: the
-# tiny model runs at most 8 sequences at once, so 12 concurrent requests queue.
+# Scaling for a test that sees a whole scale-up and scale-down in seconds: the tiny model runs
+# at most 8 sequences at once (the plan's maxNumSeqs), so 12 concurrent requests need
+# 12 / (8 x 0.8) = 1.9 replicas, short of the law's panic (2 x the ready replicas), which
+# would hold every scale-down for its 60 s window; queue time (generous target) plays no part.
 TINY_FLEET = """\
 apiVersion: fleetllm.io/v1alpha1
 kind: LLMDeployment
@@ -35,7 +37,7 @@ spec:
   scaling:
     minReplicas: 1
     maxReplicas: 2
-    targetQueueTimeSeconds: 0.1
+    targetQueueTimeSeconds: 30
     scaleDownDelaySeconds: 4
 """
 

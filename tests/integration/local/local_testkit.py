@@ -75,8 +75,9 @@ class Up:
         *,
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.events_path = workdir / "events.log"

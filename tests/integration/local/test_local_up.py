@@ -8,6 +8,7 @@ The tests of this module share one fleet, in order; the last one stops it.
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,29 @@ def _chat(client: openai.OpenAI, max_tokens: int = 8) -> str:
     return answer.choices[0].message.content or ""
 
 
+class Load:
+    """Clients sending chat requests in a loop until stopped; every answer and error kept."""
+
+    def __init__(self, client: openai.OpenAI, clients: int, max_tokens: int) -> None:
+        self.answers: list[str] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(clients)
+        for _ in range(clients):
+            self._pool.submit(self._run, client, max_tokens)
+
+    def _run(self, client: openai.OpenAI, max_tokens: int) -> None:
+        while not self._stop.is_set():
+            try:
+                self.answers.append(_chat(client, max_tokens))
+            except BaseException as exc:
+                self.errors.append(exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=True)
+
+
 def test_openai_client_chats_and_streams_through_the_router(fleet: Up) -> None:
     client = fleet.client()
     assert [m.id for m in client.models.list()] == [MODEL]
@@ -56,42 +80,57 @@ def test_openai_client_chats_and_streams_through_the_router(fleet: Up) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len(chunks) > 2
     assert text == whole  # greedy: the same answer, whole or streamed
-    status = fleet.status_path.read_text()
-    assert f"model={MODEL} endpoint=http://localhost:{fleet.port}/v1 replicas=1/1" in status
+    line = f"status model={MODEL} endpoint=http://localhost:{fleet.port}/v1 replicas=1/1 "
+    wait_until(lambda: line in fleet.status_path.read_text(), "the status line shows it")
 
 
 def test_a_killed_engine_is_restarted_and_no_request_is_dropped(fleet: Up) -> None:
-    client = fleet.client()
-    engine = fleet.engines()[0]
+    # The model's only replica: while it is down the router holds the requests.
+    (engine,) = fleet.engines()
     exited_before = len(fleet.find("replica exited; restarting"))
-    ready_before = len(fleet.find("replica ready"))
-    answers: list[str] = []
-    errors: list[BaseException] = []
-    done = threading.Event()
-
-    def load() -> None:
-        # Requests keep arriving before, during and after the engine is down.
-        while not done.is_set():
-            try:
-                answers.append(_chat(client))
-            except BaseException as exc:
-                errors.append(exc)
-
-    with ThreadPoolExecutor(4) as pool:
-        for _ in range(4):
-            pool.submit(load)
-        wait_until(lambda: len(answers) >= 8, "requests flow")
+    load = Load(fleet.client(), clients=4, max_tokens=8)
+    try:
+        wait_until(lambda: len(load.answers) >= 8, "requests flow")
         engine.kill()
-        restarted = fleet.wait_for("replica exited; restarting", count=exited_before + 1)[-1]
-        assert restarted["exit"] == "killed by SIGKILL"
-        fleet.wait_for("replica ready", count=ready_before + 1, guard_s=120)
-        served = len(answers)
-        wait_until(lambda: len(answers) >= served + 8, "requests flow to the new engine")
-        done.set()
-    assert not errors, errors[:3]
-    new_engines = fleet.engines()
-    assert engine.pid not in {p.pid for p in new_engines} and not alive(engine)
-    assert new_engines
+        (restarted,) = fleet.wait_for("replica exited; restarting", count=exited_before + 1)[-1:]
+        assert restarted["exit"] == "killed by SIGKILL" and restarted["replica"] == "tiny-0"
+        fleet.wait_for("replica ready", count=2, replica="tiny-0", guard_s=120)
+        served = len(load.answers)
+        wait_until(lambda: len(load.answers) >= served + 8, "requests flow to the new engine")
+    finally:
+        load.stop()
+    assert not load.errors, load.errors[:3]
+    (new_engine,) = fleet.engines()
+    assert new_engine.pid != engine.pid and not alive(engine)
+    wait_until(lambda: "restarts=1" in fleet.status_path.read_text(), "status: 1 restart")
+
+
+def test_sustained_concurrent_load_scales_up_to_two(fleet: Up) -> None:
+    assert len(fleet.engines()) == 1
+    load = Load(fleet.client(), clients=12, max_tokens=32)
+    try:
+        (scaled,) = fleet.wait_for("scale", to=2, guard_s=120)
+        assert scaled["replicas_from"] == 1 and "running" in scaled["reason"]
+        fleet.wait_for("replica ready", replica="tiny-1", guard_s=120)
+    finally:
+        load.stop()
+    assert not load.errors, load.errors[:3]
+    assert len(fleet.engines()) == 2
+    wait_until(lambda: "replicas=2/2" in fleet.status_path.read_text(), "status shows 2/2")
+
+
+def test_idle_scales_back_to_one_after_the_delay(fleet: Up) -> None:
+    (scaled,) = fleet.wait_for("scale", to=1)
+    assert scaled["replicas_from"] == 2
+    assert "every recommendation of the last 4s was at most 1" in scaled["reason"]
+    # The replica that goes is drained first, then stopped cleanly.
+    (drained,) = fleet.wait_for("replica draining")
+    (stopped,) = fleet.wait_for("replica stopped", replica=drained["replica"])
+    assert stopped["exit"] == "exit 0"
+    wait_until(lambda: len(fleet.engines()) == 1, "one engine left")
+    line = f"last_scale='2 -> 1: {scaled['reason']}'"
+    wait_until(lambda: line in fleet.status_path.read_text(), "status: the last scale")
+    assert _chat(fleet.client())
 
 
 def test_sigterm_drains_exits_0_and_no_child_is_left(fleet: Up) -> None:
@@ -111,6 +150,22 @@ def test_sigterm_drains_exits_0_and_no_child_is_left(fleet: Up) -> None:
     assert time.monotonic() - started < GRACE_S + 10
     assert not survivors(tree)
     assert fleet.find("fleet stopped")
+
+
+def test_a_busy_port_is_a_clear_error_before_anything_starts(
+    fixed_manifest: Callable[[int], Path], tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        up = Up(["-f", str(fixed_manifest(1))], tmp_path / "up", port=port)
+        try:
+            assert up.proc.wait(60) == 1
+        finally:
+            up.close()
+    assert f"fleetllm up: cannot listen on 127.0.0.1:{port}" in up.events_path.read_text()
+    assert not up.find("replica starting")
 
 
 def test_a_killed_supervisor_takes_every_replica_with_it(

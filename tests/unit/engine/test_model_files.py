@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -317,7 +318,7 @@ def test_second_resolve_reuses_the_cache(
     calls: list[Path] = []
     real_convert = model_files.convert_gguf
 
-    def counting_convert(source: Path, out: Path) -> None:
+    def counting_convert(source: Path, out: Path, **options: Any) -> None:
         calls.append(source)
         real_convert(source, out, progress=False)
 
@@ -365,7 +366,7 @@ def test_concurrent_resolves_wait_for_one_conversion(
     calls: list[Path] = []
     real_convert = model_files.convert_gguf
 
-    def slow_convert(source: Path, out: Path) -> None:
+    def slow_convert(source: Path, out: Path, **options: Any) -> None:
         calls.append(source)
         time.sleep(0.3)  # long enough that every other caller arrives mid-conversion
         real_convert(source, out, progress=False)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fleetllm.cli import main
+from fleetllm.local import deployments
 from fleetllm.local.deployments import (
     FleetError,
     check_gpus,
@@ -69,7 +70,9 @@ def test_a_refused_plan_reads_as_fleetllm_plan_prints_it(
     assert planned.splitlines()[0] in err and planned.splitlines()[1] in err
 
 
-def test_vllm_without_vllm_installed_is_a_clear_refusal(tmp_path: Path) -> None:
+def test_vllm_without_vllm_installed_is_a_clear_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     text = _manifest("qwen", "hf://Qwen/Qwen2.5-7B-Instruct", engine={"backend": "vllm"})
     text = text.replace('"type": "cpu"', '"type": "L4"')
     path = _write(tmp_path / "vllm.yaml", text)
@@ -77,6 +80,10 @@ def test_vllm_without_vllm_installed_is_a_clear_refusal(tmp_path: Path) -> None:
         load_fleet([path], vllm=False)
     (model,) = load_fleet([path], vllm=True)
     assert model.backend == "vllm"
+
+    monkeypatch.setattr(deployments, "vllm_installed", lambda: False)
+    assert main(["up", "-f", str(path)]) == 1
+    assert "install it (pip install 'fleetllm[vllm]')" in capsys.readouterr().err
 
 
 def test_every_problem_of_every_manifest_is_reported_at_once(tmp_path: Path) -> None:

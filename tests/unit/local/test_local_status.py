@@ -23,7 +23,7 @@ def _view(**changes: object) -> ModelView:
         "kv_usage": 0.375,
         "waiting": 4.0,
         "queue_p90_s": 1.25,
-        "last_scale": "2 replicas: queue time p90 1.25s above target 0.50s",
+        "last_scale": "1 -> 2: queue time p90 1.25s above target 0.50s",
         "preparing": None,
     }
     fields.update(changes)
@@ -39,7 +39,7 @@ def test_plain_line_carries_every_field() -> None:
         "queue_p90=1.25s",
         "others=starting",
         "restarts=1",
-        "last_scale='2 replicas: queue time p90 1.25s above target 0.50s'",
+        "last_scale='1 -> 2: queue time p90 1.25s above target 0.50s'",
     ):
         assert part in line
     unknown = plain_line(_view(kv_usage=None, waiting=None, queue_p90_s=None, last_scale=None))

@@ -16,9 +16,11 @@ import tomllib
 from pathlib import Path
 
 # Needed only by fleetllm.engine (torch is installed first, from its own index, in the engine
-# images).
+# images), and by `fleetllm up` (rich, psutil), which runs engines and is no image's command.
 ENGINE_ONLY = frozenset(
     {
+        "rich",
+        "psutil",
         "torch",
         "numpy",
         "safetensors",

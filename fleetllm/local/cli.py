@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import platformdirs
-
 if TYPE_CHECKING:
     from fleetllm.local.launch import LocalModel
 
@@ -78,6 +76,8 @@ def _port(args: argparse.Namespace) -> int:
 
 
 def _log_dir(args: argparse.Namespace) -> Path:
+    import platformdirs
+
     if args.log_dir is not None:
         return args.log_dir
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -100,14 +100,20 @@ def _configure_logging(level: str, log_dir: Path) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from fleetllm.local.deployments import FleetError, check_gpus, load_fleet, local_gpus
+    from fleetllm.local.deployments import (
+        FleetError,
+        check_gpus,
+        find_vllm,
+        load_fleet,
+        local_gpus,
+    )
     from fleetllm.operator.cli import plan_summary
 
     if args.shutdown_grace_period < 0:
         raise ValueError("--shutdown-grace-period must not be negative")
     port = _port(args)
     try:
-        models = load_fleet(args.filename)
+        models = load_fleet(args.filename, vllm=find_vllm())
         gpus = local_gpus() if any(m.devices_per_replica for m in models) else []
         check_gpus(models, len(gpus))
     except FleetError as exc:

@@ -7,10 +7,11 @@ Every problem of every manifest is collected before anything starts, so that one
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import shutil
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,12 @@ DEFAULT_MANIFEST: dict[str, Any] = {
 }
 DEFAULT_WHERE = "the built-in default"
 
-# Which sources each backend loads on this machine: the builtin engine reads local files only;
-# vLLM downloads from the hub and streams from S3 by itself.
-LOCAL_SOURCES = {"builtin": ("builtin", "file"), "vllm": ("hf", "s3", "file")}
+# Which sources each backend loads on this machine: hf:// and s3:// weights are pulled into the
+# local cache first, as the operator's init container pulls them into a pod's; a pvc:// claim
+# exists only in a cluster.
+LOCAL_SOURCES = {"builtin": ("builtin", "file", "hf", "s3"), "vllm": ("file", "hf", "s3")}
+PULLED = "pulled"
+"""The folder of the local cache that pulled weights go to."""
 
 
 class FleetError(ValueError):
@@ -55,8 +59,17 @@ def default_deployment() -> LLMDeployment:
     return parse_llmdeployment(DEFAULT_MANIFEST, DEFAULT_WHERE)
 
 
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+def find_vllm() -> str | None:
+    """The `vllm` command of this environment (next to this Python), else on PATH."""
+    here = Path(sys.executable).parent
+    return shutil.which("vllm", path=os.pathsep.join([str(here), os.environ.get("PATH", "")]))
+
+
+def local_model_path(source: ModelSource, cache: Path) -> str:
+    """What the engine loads on this machine (see `LocalModel.model_path`)."""
+    if source.scheme in ("builtin", "file"):
+        return source.location
+    return str(cache / PULLED / source.cache_key())
 
 
 def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
@@ -101,7 +114,7 @@ def localize(cr: LLMDeployment, base: Path) -> LLMDeployment:
     return cr.model_copy(update={"spec": spec})
 
 
-def _local_problems(cr: LLMDeployment, vllm: bool) -> list[str]:
+def _local_problems(cr: LLMDeployment, vllm: str | None) -> list[str]:
     spec = cr.spec
     problems = []
     source = ModelSource.parse(spec.model.source)
@@ -111,7 +124,7 @@ def _local_problems(cr: LLMDeployment, vllm: bool) -> list[str]:
             f"model.source {spec.model.source!r}: the {spec.engine.backend} engine cannot load "
             f"a {source.scheme}:// source on this machine (it loads {usable})"
         )
-    if spec.engine.backend == "vllm" and not vllm:
+    if spec.engine.backend == "vllm" and vllm is None:
         problems.append(
             "engine.backend vllm runs the vLLM OpenAI server, which is not installed here; "
             "install it (pip install 'fleetllm[vllm]') or use engine.backend: builtin"
@@ -125,11 +138,16 @@ def _local_problems(cr: LLMDeployment, vllm: bool) -> list[str]:
     return problems
 
 
-def load_fleet(paths: Sequence[Path], *, vllm: bool | None = None) -> list[LocalModel]:
+def load_fleet(
+    paths: Sequence[Path], *, vllm: str | None = None, cache: Path | None = None
+) -> list[LocalModel]:
     """The planned models of the manifests in `paths` (the built-in default when empty).
-    Raises FleetError with every problem, and ValueError/FileNotFoundError for unreadable
-    manifests."""
-    vllm = vllm_installed() if vllm is None else vllm
+    `vllm`: the vLLM command (`find_vllm()`), None when vLLM is not installed; `cache`: the
+    model cache (default: the engine's). Raises FleetError with every problem, and
+    ValueError/FileNotFoundError for unreadable manifests."""
+    from fleetllm.engine.model_files import cache_root
+
+    cache = cache_root() if cache is None else cache
     found: list[tuple[LLMDeployment, str, Path]] = []
     if not paths:
         found.append((default_deployment(), DEFAULT_WHERE, Path.cwd()))
@@ -168,7 +186,12 @@ def load_fleet(paths: Sequence[Path], *, vllm: bool | None = None) -> list[Local
             problems.append(f"{where}: {plan_summary(cr, exc).rstrip()}")
             continue
         if not local:
-            models.append(LocalModel(cr, planned, where))
+            executable = (
+                (sys.executable, "-m", "fleetllm.cli") if cr.spec.engine.backend == "builtin"
+                else (str(vllm),)
+            )  # fmt: skip
+            path = local_model_path(planned.source, cache)
+            models.append(LocalModel(cr, planned, where, executable, path))
     if problems:
         raise FleetError("\n".join(problems))
     return models

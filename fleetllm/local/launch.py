@@ -3,23 +3,24 @@ on this machine. Pure: the planned command with local addresses, no I/O.
 
 A local replica runs the planned engine command with the planned arguments; only what a pod
 gets from Kubernetes changes: the address (loopback, a free port; the router is the one way
-in), the interpreter (this one, so the engine is the installed fleetllm), the drain time (a
-pod's termination grace period) and, for CPU replicas, a share of this machine's cores.
+in), the executable (this environment's, so the engine is the installed one), where the
+weights are (a pod's model volume is a folder of the local cache), the drain time (at most
+the fleet's grace period) and, for CPU replicas, a share of this machine's cores.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fleetllm.operator.api import LLMDeployment
-from fleetllm.operator.planner import Plan
+from fleetllm.operator.planner import Plan, model_location
 from fleetllm.operator.render import startup_seconds
 
 LOOPBACK = "127.0.0.1"
-VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+# The planned flag that bounds a stopping engine's drain, per backend.
+DRAIN_FLAG = {"builtin": "--shutdown-grace-period", "vllm": "--shutdown-timeout"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,11 @@ class LocalModel:
     plan: Plan
     where: str
     """The manifest it came from, for messages."""
+    executable: tuple[str, ...]
+    """What runs the planned command's program here (`fleetllm`, `vllm`)."""
+    model_path: str
+    """What the engine loads here, in place of the planned location: a built-in model's
+    name, a local path, or the local cache folder an hf:// or s3:// source is pulled to."""
 
     @property
     def name(self) -> str:
@@ -71,31 +77,22 @@ def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(arg == flag or arg.startswith(flag + "=") for arg in args)
 
 
-def model_reference(model: LocalModel) -> str:
-    """The planned `--model` value: what the engine loads."""
+def local_args(model: LocalModel, port: int, drain_seconds: float) -> list[str]:
+    """The planned arguments with this machine's address, weights and drain time."""
     args = list(model.plan.args)
-    return args[args.index("--model") + 1]
-
-
-def local_args(args: Sequence[str], port: int) -> list[str]:
-    """The planned arguments with the replica's own address: loopback, `port`."""
-    out = list(args)
-    for flag, value in (("--host", LOOPBACK), ("--port", str(port))):
-        if flag in out:
-            out[out.index(flag) + 1] = value
+    planned_location = model_location(model.plan.source)
+    args = [model.model_path if arg == planned_location else arg for arg in args]
+    drain_flag = DRAIN_FLAG[model.backend]
+    for flag, value in (
+        ("--host", LOOPBACK),
+        ("--port", str(port)),
+        (drain_flag, f"{min(drain_seconds, model.cr.spec.engine.drain_seconds):g}"),
+    ):
+        if flag in args:
+            args[args.index(flag) + 1] = value
         else:
-            out += [flag, value]
-    return out
-
-
-def engine_command(plan: Plan) -> list[str]:
-    """The planned command, run by this Python (the planned `fleetllm` and `python3` are the
-    container's)."""
-    if plan.command[0] == "fleetllm":
-        return [sys.executable, "-m", "fleetllm.cli", *plan.command[1:]]
-    if plan.command[-1] == VLLM_MODULE:
-        return [sys.executable, "-m", VLLM_MODULE]
-    return list(plan.command)
+            args += [flag, value]
+    return args
 
 
 def cpu_threads(cpu_count: int, cpu_replicas: int) -> int:
@@ -107,17 +104,13 @@ def cpu_threads(cpu_count: int, cpu_replicas: int) -> int:
 def replica_argv(
     model: LocalModel, port: int, *, threads: int | None, drain_seconds: float
 ) -> list[str]:
-    """The full command line of one replica listening on loopback:`port`."""
-    args = local_args(model.plan.args, port)
-    if model.backend == "builtin":
-        # Extra args the user gave win over these local defaults.
-        if not _has_flag(args, "--shutdown-grace-period"):
-            args += ["--shutdown-grace-period", f"{drain_seconds:g}"]
-        if threads is not None and not _has_flag(args, "--num-threads"):
-            args += ["--num-threads", str(threads)]
-        if model.plan.gpu.is_gpu and not _has_flag(args, "--device"):
-            args += ["--device", "cuda"]
-    return [*engine_command(model.plan), *args]
+    """The full command line of one replica listening on loopback:`port`; `drain_seconds`
+    caps the planned drain time."""
+    args = local_args(model, port, drain_seconds)
+    # Extra args the user gave win over this local default.
+    if model.backend == "builtin" and threads is not None and not _has_flag(args, "--num-threads"):
+        args += ["--num-threads", str(threads)]
+    return [*model.executable, *model.plan.command[1:], *args]
 
 
 def replica_env(

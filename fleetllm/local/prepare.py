@@ -1,17 +1,25 @@
-"""`python -m fleetllm.local.prepare MODEL`: get a model ready for the builtin engine (a GGUF
-file is converted once into the cache) before its replicas start, so that they do not each
-wait on the conversion, and so that the status view can show its progress.
+"""`python -m fleetllm.local.prepare SOURCE PATH [--resolve]`: get a model's weights ready on
+this machine before its replicas start, so that they do not each wait on the work, and so
+that the status view can show its progress:
 
-It runs as a process of its own, so that stopping the fleet stops a conversion at once. It
-writes JSON lines to stdout: `{"done": N, "total": M}` per converted tensor, then
+- an hf:// or s3:// SOURCE is pulled into the folder PATH (`fleetllm model pull`, as the
+  operator's init container pulls it into a pod);
+- with `--resolve` (the builtin engine), PATH is resolved as the engine will: a GGUF file,
+  such as the embedded default model's, is converted once into the cache.
+
+It runs as a process of its own, so that stopping the fleet stops it at once. It writes JSON
+lines to stdout: `{"done": N, "total": M, "unit": "bytes" | "tensors"}` as it goes, then
 `{"path": DIR}` (exit 0) or `{"error": MESSAGE}` (exit 1).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _emit(record: dict[str, object]) -> None:
@@ -19,18 +27,54 @@ def _emit(record: dict[str, object]) -> None:
     sys.stdout.flush()
 
 
+class PullProgress(logging.Handler):
+    """The pull's log records (a total, then bytes per file) as progress over all files."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.finished = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        done = getattr(record, "bytes", None)
+        if not isinstance(done, int):
+            return
+        if message == "pulling":
+            self.total = done
+            _emit({"done": 0, "total": done, "unit": "bytes"})
+        elif message in ("progress", "pulled") and self.total:
+            current = self.finished + done
+            if message == "pulled":
+                self.finished = current
+            _emit({"done": min(current, self.total), "total": self.total, "unit": "bytes"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from fleetllm.engine.model_files import resolve_model
+    from fleetllm.engine.pull import PullError, pull
+    from fleetllm.operator.api import ModelSource
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        _emit({"error": "usage: python -m fleetllm.local.prepare MODEL"})
-        return 2
+    parser = argparse.ArgumentParser(prog="python -m fleetllm.local.prepare")
+    parser.add_argument("source")
+    parser.add_argument("path")
+    parser.add_argument("--resolve", action="store_true")
+    args = parser.parse_args(argv)
     try:
-        path = resolve_model(
-            args[0], on_progress=lambda done, total: _emit({"done": done, "total": total})
-        )
-    except (ValueError, OSError) as exc:
+        path = Path(args.path)
+        if ModelSource.parse(args.source).downloaded:
+            pull_log = logging.getLogger("fleetllm.pull")
+            pull_log.setLevel(logging.INFO)
+            pull_log.addHandler(PullProgress())
+            pull(args.source, path)
+        if args.resolve:
+            path = resolve_model(
+                args.path,
+                on_progress=lambda done, total: _emit(
+                    {"done": done, "total": total, "unit": "tensors"}
+                ),
+            )
+    except (ValueError, OSError, PullError) as exc:
         _emit({"error": str(exc)})
         return 1
     _emit({"path": str(path)})

@@ -40,8 +40,9 @@ class ModelView:
     queue_p90_s: float | None
     """90th percentile of the time requests waited for a slot, over the autoscaler's window."""
     last_scale: str | None
-    preparing: tuple[int, int] | None
-    """(done, total) while the model's weights are being converted."""
+    preparing: tuple[int, int, str] | None
+    """(done, total, unit) while the model's weights are pulled ("bytes") or converted
+    ("tensors")."""
     problem: str | None = None
 
     @property
@@ -81,8 +82,8 @@ def plain_line(view: ModelView) -> str:
     if view.restarts:
         fields.append(f"restarts={view.restarts}")
     if view.preparing is not None:
-        done, total = view.preparing
-        fields.append(f"preparing={done}/{total}")
+        done, total, unit = view.preparing
+        fields.append(f"preparing={done}/{total}{unit}")
     if view.problem:
         fields.append(f"problem={view.problem!r}")
     if view.last_scale:
@@ -112,11 +113,15 @@ def table(views: Sequence[ModelView]) -> RenderableType:
             view.problem or view.last_scale or "",
         )
         if view.preparing is not None:
-            done, total = view.preparing
+            done, total, unit = view.preparing
+            if unit == "bytes":
+                what, amount = "downloading", f"{done / 2**20:.0f}/{total / 2**20:.0f} MiB"
+            else:
+                what, amount = "converting", f"{done}/{total} {unit}"
             bars.add_row(
-                f"{view.name}: converting the weights",
+                f"{view.name}: {what} the weights",
                 ProgressBar(total=total, completed=done, width=40),
-                f"{done}/{total} tensors",
+                amount,
             )
         for replica in view.replicas:
             if replica.state is State.STARTING:

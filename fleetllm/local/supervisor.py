@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from fleetllm.local.launch import GPUPool, LocalModel, model_reference, replica_argv, replica_env
+from fleetllm.local.launch import GPUPool, LocalModel, replica_argv, replica_env
 from fleetllm.local.policy import (
     Candidate,
     State,
@@ -86,7 +86,7 @@ class ModelFleet:
     replicas: dict[int, Replica] = field(default_factory=dict)
     next_key: int = 0
     prepared: bool = False
-    preparing: tuple[int, int] | None = None
+    preparing: tuple[int, int, str] | None = None
     last_scale: str | None = None
     load: Load = field(default_factory=Load)
     demand_time: float | None = None
@@ -278,12 +278,18 @@ class Supervisor:
     # -- preparing a model -----------------------------------------------------------------
 
     async def _prepare(self, fleet: ModelFleet) -> None:
-        """Convert the weights once (builtin engine), with progress, before any replica."""
-        if fleet.model.backend == "builtin":
+        """Pull (hf://, s3://) and convert (GGUF, builtin engine) the weights once, with
+        progress, before any replica starts."""
+        model = fleet.model
+        argv = [sys.executable, "-m", "fleetllm.local.prepare", model.cr.spec.model.source]
+        argv.append(model.model_path)
+        if model.backend == "builtin":
+            argv.append("--resolve")
+        if model.backend == "builtin" or model.plan.source.downloaded:
             process = await GuardedProcess.start(
-                [sys.executable, "-m", "fleetllm.local.prepare", model_reference(fleet.model)],
+                argv,
                 os.environ,
-                self.settings.log_dir / f"{fleet.model.cr.metadata.name}-prepare.log",
+                self.settings.log_dir / f"{model.cr.metadata.name}-prepare.log",
                 capture_stdout=True,
             )
             self._preparing.append(process)
@@ -296,7 +302,7 @@ class Supervisor:
                     except ValueError:
                         continue
                     if "total" in record:
-                        fleet.preparing = (record["done"], record["total"])
+                        fleet.preparing = (record["done"], record["total"], record["unit"])
                     error = record.get("error", error)
                 code = await process.wait()
             finally:

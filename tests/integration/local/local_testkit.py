@@ -10,8 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable
+import urllib.parse
+from collections.abc import Callable, Iterable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +191,40 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def fake_hub(repo: str, folder: Path) -> Iterator[str]:
+    """A local HTTP server that serves the files of `folder` as the Hugging Face hub serves
+    repository `repo` (the listing API and `resolve` downloads); yields its URL, for
+    HF_ENDPOINT."""
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    commit = "0" * 40
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *_: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            path = urllib.parse.urlsplit(self.path).path
+            body: bytes | None = None
+            if path.startswith(f"/api/models/{repo}/revision/"):
+                siblings = [{"rfilename": n, "size": len(d)} for n, d in files.items()]
+                body = json.dumps({"id": repo, "sha": commit, "siblings": siblings}).encode()
+            elif path.startswith(f"/{repo}/resolve/{commit}/"):
+                body = files.get(urllib.parse.unquote(path.rsplit("/", 1)[1]))
+            self.send_response(404 if body is None else 200)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)

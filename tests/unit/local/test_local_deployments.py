@@ -17,6 +17,7 @@ from fleetllm.local.deployments import (
     local_gpus,
 )
 
+VLLM = "/opt/vllm/bin/vllm"
 REFUSED = """\
 apiVersion: fleetllm.io/v1alpha1
 kind: LLMDeployment
@@ -61,7 +62,7 @@ def test_a_refused_plan_reads_as_fleetllm_plan_prints_it(
     planned = capsys.readouterr().out.strip()
     assert "REFUSED (KVCacheTooSmall)" in planned
     with pytest.raises(FleetError) as caught:
-        load_fleet([path], vllm=True)
+        load_fleet([path], vllm=VLLM)
     assert planned in str(caught.value)
 
     assert main(["up", "-f", str(path)]) == 1
@@ -77,11 +78,11 @@ def test_vllm_without_vllm_installed_is_a_clear_refusal(
     text = text.replace('"type": "cpu"', '"type": "L4"')
     path = _write(tmp_path / "vllm.yaml", text)
     with pytest.raises(FleetError, match=r"vLLM OpenAI server, which is not installed here"):
-        load_fleet([path], vllm=False)
-    (model,) = load_fleet([path], vllm=True)
-    assert model.backend == "vllm"
+        load_fleet([path], vllm=None)
+    (model,) = load_fleet([path], vllm=VLLM)
+    assert model.backend == "vllm" and model.executable == (VLLM,)
 
-    monkeypatch.setattr(deployments, "vllm_installed", lambda: False)
+    monkeypatch.setattr(deployments, "find_vllm", lambda: None)
     assert main(["up", "-f", str(path)]) == 1
     assert "install it (pip install 'fleetllm[vllm]')" in capsys.readouterr().err
 
@@ -90,7 +91,6 @@ def test_every_problem_of_every_manifest_is_reported_at_once(tmp_path: Path) -> 
     path = _write(
         tmp_path / "many.yaml",
         _manifest("claim", "pvc://weights/smollm2-135m"),
-        _manifest("hub", "hf://HuggingFaceTB/SmolLM2-135M-Instruct"),
         _manifest("secret", "builtin://smollm2-135m", engine={"env": [
             {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
         ]}),
@@ -98,16 +98,17 @@ def test_every_problem_of_every_manifest_is_reported_at_once(tmp_path: Path) -> 
         _manifest("other", "builtin://smollm2-135m").replace(
             '"name": "other", "source"', '"name": "secret", "source"'
         ),
+        _manifest("hub", "hf://HuggingFaceTB/SmolLM2-135M-Instruct"),
     )  # fmt: skip
     with pytest.raises(FleetError) as caught:
         load_fleet([path])
     lines = str(caught.value).splitlines()
-    assert len(lines) == 5, "\n".join(lines)
+    assert len(lines) == 4, "\n".join(lines)
     assert "the builtin engine cannot load a pvc:// source on this machine" in lines[0]
-    assert "cannot load a hf:// source" in lines[1]
-    assert "engine.env[0] (TOKEN): valueFrom" in lines[2]
-    assert "a second LLMDeployment named claim" in lines[3]
-    assert "model secret is already served by secret" in lines[4]
+    assert "engine.env[0] (TOKEN): valueFrom" in lines[1]
+    assert "a second LLMDeployment named claim" in lines[2]
+    assert "model secret is already served by secret" in lines[3]
+    # hf:// is fine: its weights are pulled into the local cache first.
 
 
 def test_a_file_source_is_read_from_the_manifests_folder_and_sized_by_its_config(
@@ -166,7 +167,7 @@ def test_a_fleet_needing_more_gpus_than_the_machine_has_is_refused(tmp_path: Pat
     text = text.replace('"type": "cpu"', '"type": "L4"').replace(
         '"engine"', '"parallelism": {"tensor": 2}, "replicas": 2, "engine"'
     )
-    (model,) = load_fleet([_write(tmp_path / "q.yaml", text)], vllm=True)
+    (model,) = load_fleet([_write(tmp_path / "q.yaml", text)], vllm=VLLM)
     check_gpus([model], 4)
     with pytest.raises(FleetError, match=r"need 4 GPUs \(qwen: 2 x 2 L4\); this machine has 3"):
         check_gpus([model], 3)

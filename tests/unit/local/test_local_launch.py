@@ -14,7 +14,6 @@ from fleetllm.local.launch import (
     GPUPool,
     LocalModel,
     cpu_threads,
-    model_reference,
     replica_argv,
     replica_env,
 )
@@ -35,10 +34,13 @@ spec:
 """
 
 
-def _model(tmp_path: Path, text: str, *, vllm: bool = False) -> LocalModel:
+VLLM = "/opt/vllm/bin/vllm"
+
+
+def _model(tmp_path: Path, text: str) -> LocalModel:
     path = tmp_path / "fleet.yaml"
     path.write_text(text)
-    (model,) = load_fleet([path], vllm=vllm)
+    (model,) = load_fleet([path], vllm=VLLM, cache=tmp_path / "cache")
     return model
 
 
@@ -54,15 +56,16 @@ def test_builtin_replica_runs_the_planned_engine_on_loopback() -> None:
     flags = _pairs(argv)
     assert flags["--host"] == "127.0.0.1"
     assert flags["--port"] == "43210"
+    # The planned drain (engine.drainSeconds, 60) capped by the fleet's grace period.
     assert flags["--shutdown-grace-period"] == "12"
     assert flags["--num-threads"] == "1"
-    # Every planned flag is there with its planned value, the address aside.
+    # Every planned flag is there with its planned value, the address and drain aside.
     planned = _pairs(list(model.plan.args))
     for flag, value in planned.items():
-        if flag not in ("--host", "--port"):
+        if flag not in ("--host", "--port", "--shutdown-grace-period"):
             assert flags[flag] == value, flag
+    assert flags["--model"] == "smollm2-135m" and flags["--device"] == "cpu"
     assert flags["--num-kv-blocks"] == str(model.plan.status.num_kv_blocks)
-    assert model_reference(model) == "smollm2-135m"
 
 
 def test_extra_args_win_over_local_defaults(tmp_path: Path) -> None:
@@ -74,25 +77,31 @@ kind: LLMDeployment
 metadata: {name: smol}
 spec:
   model: {name: smol, source: builtin://smollm2-135m}
-  engine: {extraArgs: ["--num-threads=3", "--shutdown-grace-period", "7"]}
+  engine: {extraArgs: ["--num-threads=3"], drainSeconds: 7}
   gpu: {type: cpu}
 """,
     )
     argv = replica_argv(model, 1234, threads=1, drain_seconds=60)
-    assert "--num-threads=3" in argv
+    assert "--num-threads=3" in argv and "--num-threads" not in argv
+    # A drain shorter than the grace period stays as planned.
     assert argv.count("--shutdown-grace-period") == 1
     assert _pairs(argv)["--shutdown-grace-period"] == "7"
-    assert "--num-threads" not in argv
 
 
-def test_vllm_replica_runs_the_planned_vllm_server(tmp_path: Path) -> None:
-    model = _model(tmp_path, VLLM_TP2, vllm=True)
+def test_vllm_replica_runs_the_planned_vllm_server_on_the_pulled_weights(
+    tmp_path: Path,
+) -> None:
+    model = _model(tmp_path, VLLM_TP2)
     argv = replica_argv(model, 5555, threads=None, drain_seconds=30)
-    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    # `vllm serve MODEL`, as planned, with this environment's vllm and the folder of the
+    # local cache the hf:// source is pulled to (a pod's model cache volume).
+    pulled = tmp_path / "cache" / "pulled" / "hf" / "Qwen" / "Qwen2.5-7B-Instruct" / "main"
+    assert model.model_path == str(pulled)
+    assert argv[:3] == [VLLM, "serve", str(pulled)]
     flags = _pairs(argv)
-    assert flags["--model"] == "Qwen/Qwen2.5-7B-Instruct"
     assert flags["--tensor-parallel-size"] == "2"
     assert flags["--host"] == "127.0.0.1" and flags["--port"] == "5555"
+    assert flags["--shutdown-timeout"] == "30"
     assert "--enable-prefix-caching" in argv
     # Our engine's flags are not vLLM's.
     assert "--shutdown-grace-period" not in argv and "--num-threads" not in argv

@@ -44,7 +44,7 @@ def test_plain_line_carries_every_field() -> None:
         assert part in line
     unknown = plain_line(_view(kv_usage=None, waiting=None, queue_p90_s=None, last_scale=None))
     assert "kv=- waiting=- queue_p90=-" in unknown and "last_scale" not in unknown
-    assert "preparing=10/272" in plain_line(_view(preparing=(10, 272)))
+    assert "preparing=10/272tensors" in plain_line(_view(preparing=(10, 272, "tensors")))
 
 
 def test_plain_view_writes_a_line_per_change_not_per_refresh() -> None:
@@ -73,10 +73,13 @@ def test_plain_view_holds_a_fast_change_back_until_the_interval_passed() -> None
 
 def test_live_table_shows_the_figures_and_progress_bars() -> None:
     console = Console(record=True, width=160, file=io.StringIO())
-    console.print(table([_view(preparing=(68, 272))]))
+    console.print(table([_view(preparing=(68, 272, "tensors"))]))
     text = console.export_text()
     for part in ("tiny", "http://localhost:8000/v1", "1/2", "38%", "1.25s", "queue time p90"):
         assert part in text
     assert "tiny: converting the weights" in text and "68/272 tensors" in text
     assert "tiny-1: loading" in text
     assert "━" in text  # the bars are drawn
+    console.print(table([_view(preparing=(3 * 2**20, 270 * 2**20, "bytes"))]))
+    text = console.export_text()
+    assert "tiny: downloading the weights" in text and "3/270 MiB" in text

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from fleetllm.kube import Resource
 from fleetllm.operator.catalog import GPU_PROFILES, GPU_TYPES
 
 GROUP = "fleetllm.io"
@@ -25,6 +26,7 @@ KIND = "LLMDeployment"
 PLURAL = "llmdeployments"
 SINGULAR = "llmdeployment"
 SHORT_NAMES = ["llmd"]
+LLMDEPLOYMENTS = Resource(API_VERSION, PLURAL, KIND)
 
 # A Service is named after its LLMDeployment, so the name must be a DNS-1035 label; the longest
 # child suffix ("-engine") must still fit in 63 characters.

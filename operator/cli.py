@@ -122,8 +122,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "run",
         help="reconcile LLMDeployments in a cluster",
         description="Watch LLMDeployments and keep their engine Deployments, Services, "
-        "ConfigMaps and PodDisruptionBudgets in line with the plan. Credentials come from the "
-        "pod's service account, else from KUBECONFIG or ~/.kube/config.",
+        "ConfigMaps and PodDisruptionBudgets in line with the plan. Credentials come from "
+        "$KUBECONFIG, else the pod's service account, else ~/.kube/config (exec credential "
+        "plugins included).",
     )
     scope = p_run.add_mutually_exclusive_group(required=True)
     scope.add_argument(

@@ -2,9 +2,14 @@
 
 All decisions live in the reconciler; handlers here only say *when* to reconcile:
 - the LLMDeployment is created, changed, or found on start (resume);
-- one of its children changes or disappears (drift, deletion, Deployment status).
-There are no timers or daemons: kopf would put a finalizer on every LLMDeployment for them,
-and nothing here needs cleanup beyond the garbage collection that ownerReferences give.
+- one of its children changes or disappears (drift, deletion, Deployment status);
+- it is in conflict (a child's name is taken by an object it does not own): retried every
+  `conflict_recheck_seconds`, since the foreign object's removal raises no event here.
+There are no kopf timers or daemons: kopf would put a finalizer on every LLMDeployment for
+them, and nothing here needs cleanup beyond the garbage collection that ownerReferences give.
+
+kopf and the reconciler share one login: kopf's login handler returns the KubeClient's
+credentials (see fleetllm.kube), and children are watched with a server-side label selector.
 """
 
 from __future__ import annotations
@@ -13,17 +18,16 @@ import asyncio
 import logging
 import random
 import socket
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import kopf
 
+from fleetllm.kube import ApiError, KubeClient, LoginError, load_credentials
 from fleetllm.operator.api import GROUP, KIND, PLURAL, VERSION
 from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
-from fleetllm.operator.kube import RESOURCES, ApiError, KubeClient
-from fleetllm.operator.reconciler import Reconciler
+from fleetllm.operator.reconciler import CHILD_RESOURCES, Reconciler
 from fleetllm.operator.render import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER
 
 logger = logging.getLogger("fleetllm.operator")
@@ -31,24 +35,9 @@ logger = logging.getLogger("fleetllm.operator")
 HANDLER_RETRIES = 10
 CHILD_RETRIES = 5
 MAX_BACKOFF_SECONDS = 60.0
-CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "PodDisruptionBudget")
-
-
-def default_login() -> kopf.ConnectionInfo:
-    """The pod's service account in a cluster, else the kubeconfig."""
-    settings = kopf.OperatorSettings()
-    try:
-        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-            settings=settings
-        )
-    except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"cannot read Kubernetes credentials: {exc}") from None
-    if info is None:
-        raise ValueError(
-            "no Kubernetes credentials: not in a cluster and no kubeconfig found "
-            "(set KUBECONFIG or run in a pod with a service account)"
-        )
-    return info
+CONFLICT_RECHECK_SECONDS = 30.0
+COMPONENT = "fleetllm-operator"
+CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER}"
 
 
 @dataclass
@@ -56,19 +45,36 @@ class OperatorState:
     """Shared by every handler through kopf's memo (kopf copies the memo per object, so the
     reconciler is made once, up front)."""
 
-    login: Callable[[], kopf.ConnectionInfo]
+    client: KubeClient
     reconciler: Reconciler
+    conflict_recheck_seconds: float = CONFLICT_RECHECK_SECONDS
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
     def create(
-        cls, login: Callable[[], kopf.ConnectionInfo], config: OperatorConfig = DEFAULT_CONFIG
+        cls,
+        client: KubeClient,
+        config: OperatorConfig = DEFAULT_CONFIG,
+        conflict_recheck_seconds: float = CONFLICT_RECHECK_SECONDS,
     ) -> OperatorState:
-        reconciler = Reconciler(KubeClient(login), emit=_post_event, config=config)
-        return cls(login=login, reconciler=reconciler)
+        async def post_event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+            try:
+                await client.create_event(
+                    body,
+                    type="Warning" if type_ == "Warning" else "Normal",
+                    reason=reason,
+                    message=message,
+                    component=COMPONENT,
+                )
+            except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+                # An Event is a courtesy; losing one must not fail the reconcile.
+                logger.warning("could not post an Event", extra={"error": str(exc)})
 
-
-def _post_event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    kopf.event(body, type=type_, reason=reason, message=message[:1024])  # type: ignore[arg-type]
+        return cls(
+            client=client,
+            reconciler=Reconciler(client, emit=post_event, config=config),
+            conflict_recheck_seconds=conflict_recheck_seconds,
+        )
 
 
 def _backoff(retry: int) -> float:
@@ -84,6 +90,8 @@ async def _reconcile_or_retry(memo: OperatorState, namespace: str, name: str, re
         raise kopf.PermanentError(str(exc)) from exc
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise kopf.TemporaryError(f"API unreachable: {exc}", delay=_backoff(retry)) from exc
+    except LoginError as exc:
+        raise kopf.TemporaryError(str(exc), delay=_backoff(retry)) from exc
 
 
 def _owner_name(body: dict[str, Any]) -> str | None:
@@ -98,12 +106,21 @@ def build_registry() -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
-    def login(memo: OperatorState, **_: Any) -> kopf.ConnectionInfo:
-        return memo.login()
+    async def login(memo: OperatorState, **_: Any) -> kopf.ConnectionInfo:
+        # kopf asks at start, when its credentials expire, and after a 401: load them again.
+        credentials = await memo.client.credentials(refresh=True)
+        return credentials.connection_info()
+
+    @kopf.on.startup(registry=registry)
+    async def start_rechecks(memo: OperatorState, **_: Any) -> None:
+        memo.tasks.append(asyncio.create_task(_recheck_conflicts(memo)))
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: OperatorState, **_: Any) -> None:
-        await memo.reconciler.client.close()
+        for task in memo.tasks:
+            task.cancel()
+        await asyncio.gather(*memo.tasks, return_exceptions=True)
+        await memo.client.close()
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, retries=HANDLER_RETRIES)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, retries=HANDLER_RETRIES)
@@ -113,8 +130,7 @@ def build_registry() -> kopf.OperatorRegistry:
     ) -> None:
         await _reconcile_or_retry(memo, namespace, name, retry)
 
-    for kind in CHILD_KINDS:
-        resource = RESOURCES[kind]
+    for kind, resource in CHILD_RESOURCES.items():
         group, _, version = resource.api_version.rpartition("/")
 
         @kopf.on.event(
@@ -141,7 +157,7 @@ def build_registry() -> kopf.OperatorRegistry:
                 try:
                     await memo.reconciler.reconcile(namespace, owner)
                     return
-                except (TimeoutError, ApiError, aiohttp.ClientError) as exc:
+                except (TimeoutError, ApiError, LoginError, aiohttp.ClientError) as exc:
                     final = retry == CHILD_RETRIES - 1 or (
                         isinstance(exc, ApiError) and not exc.retryable
                     )
@@ -161,6 +177,19 @@ def build_registry() -> kopf.OperatorRegistry:
     return registry
 
 
+async def _recheck_conflicts(memo: OperatorState) -> None:
+    while True:
+        await asyncio.sleep(memo.conflict_recheck_seconds)
+        for namespace, name in sorted(memo.reconciler.conflicted):
+            try:
+                await memo.reconciler.reconcile(namespace, name)
+            except (TimeoutError, ApiError, LoginError, aiohttp.ClientError) as exc:
+                logger.warning(
+                    "reconcile of a conflicted LLMDeployment failed",
+                    extra={"llmdeployment": f"{namespace}/{name}", "error": str(exc)},
+                )
+
+
 def make_settings(
     *, standalone: bool, peering: str | None = None, priority: int | None = None
 ) -> kopf.OperatorSettings:
@@ -173,12 +202,16 @@ def make_settings(
     )
     # Kubernetes Events for warnings and errors only; the reconciler posts its own transitions.
     settings.posting.level = logging.WARNING
-    settings.posting.reporting_component = "fleetllm-operator"
+    settings.posting.reporting_component = COMPONENT
     settings.posting.reporting_instance = socket.gethostname()
     settings.networking.request_timeout = 60
     settings.networking.connect_timeout = 10
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    # Children are watched for the operator's own objects only, filtered by the API server.
+    for resource in CHILD_RESOURCES.values():
+        group, _, version = resource.api_version.rpartition("/")
+        settings.watching.label_selectors[group, version, resource.plural] = CHILD_SELECTOR
     settings.execution.max_workers = 4
     settings.peering.standalone = standalone
     if not standalone:
@@ -206,12 +239,13 @@ def run(
     kopf.configure(
         verbose=verbose, log_format=kopf.LogFormat.JSON if log_json else kopf.LogFormat.FULL
     )
-    default_login()  # fail fast, with a clear message, when there are no credentials at all
+    load_credentials()  # fail fast, with a clear message, when there are no credentials at all
     settings = make_settings(standalone=standalone, peering=peering, priority=priority)
+    client = KubeClient(load_credentials, user_agent=COMPONENT)
     kopf.run(
         registry=build_registry(),
         settings=settings,
-        memo=OperatorState.create(default_login, config),
+        memo=OperatorState.create(client, config),
         clusterwide=clusterwide,
         namespaces=namespaces,
         standalone=standalone,

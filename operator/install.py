@@ -13,7 +13,7 @@ from typing import Any
 from fleetllm.operator.api import GROUP, PLURAL
 from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.operator.images import CONTROL_PLANE_IMAGE
-from fleetllm.operator.kube import READ_ONLY_KINDS, RESOURCES
+from fleetllm.operator.reconciler import CHILD_RESOURCES, READ_RESOURCES
 from fleetllm.operator.render import COMPONENT, LABEL_COMPONENT, LABEL_NAME, RUN_AS
 
 NAMESPACE = "fleetllm-system"
@@ -115,16 +115,13 @@ def operator_rules() -> list[dict[str, Any]]:
         _rule(GROUP, [f"{PLURAL}/status"], ["get", "patch", "update"]),
     ]
     by_group: dict[str, list[str]] = {}
-    for kind, resource in RESOURCES.items():
-        if kind == "LLMDeployment" or kind in READ_ONLY_KINDS:
-            continue
+    for resource in CHILD_RESOURCES.values():
         group = resource.api_version.rpartition("/")[0]
         by_group.setdefault(group, []).append(resource.plural)
     for group, plurals in by_group.items():
         verbs = ["get", "list", "watch", "create", "patch", "update", "delete"]
         rules.append(_rule(group, sorted(plurals), verbs))
-    for kind in sorted(READ_ONLY_KINDS):
-        resource = RESOURCES[kind]
+    for resource in READ_RESOURCES.values():
         rules.append(_rule(resource.api_version.rpartition("/")[0], [resource.plural], ["get"]))
     rules += [
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
@@ -225,11 +222,13 @@ def operator_objects(
 
 
 def router_cluster_rules() -> list[dict[str, Any]]:
-    """Kubernetes discovery: LLMDeployments (routing, replicas) and their Services'
-    EndpointSlices, in every namespace; scale-from-zero through the scale subresource."""
+    """Kubernetes discovery: LLMDeployments (routing, replicas), the Services the operator
+    rendered for them (to check who controls them) and their EndpointSlices, in every
+    namespace; scale-from-zero through the scale subresource."""
     return [
         _rule(GROUP, [PLURAL], ["get", "list", "watch"]),
         _rule(GROUP, [f"{PLURAL}/scale"], ["get", "patch"]),
+        _rule("", ["services"], ["get", "list", "watch"]),
         _rule("discovery.k8s.io", ["endpointslices"], ["get", "list", "watch"]),
     ]
 

@@ -4,6 +4,10 @@ differs, and write the status when it changed.
 Every call starts from what is in the cluster now, whatever triggered it (the LLMDeployment
 changed, a child changed or vanished, a periodic resync, an operator restart), so calls are
 idempotent: when nothing differs, nothing is written.
+
+The operator never takes over an object it does not own: when a child's name is taken by an
+object without this LLMDeployment as its controller, nothing is applied, the object is left
+untouched, and the status says so (reason `Conflict`).
 """
 
 from __future__ import annotations
@@ -12,13 +16,28 @@ import asyncio
 import collections
 import datetime
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetllm.operator.api import API_VERSION, KIND, LLMDeployment, parse_llmdeployment
+from fleetllm.kube import (
+    CONFIGMAPS,
+    DEPLOYMENTS,
+    PERSISTENTVOLUMECLAIMS,
+    PODDISRUPTIONBUDGETS,
+    SERVICES,
+    ApiError,
+    KubeClient,
+    Resource,
+)
+from fleetllm.operator.api import (
+    API_VERSION,
+    KIND,
+    LLMDEPLOYMENTS,
+    LLMDeployment,
+    parse_llmdeployment,
+)
 from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
-from fleetllm.operator.kube import ApiError, KubeClient
 from fleetllm.operator.planner import Plan, PlanError, claims_to_check, plan
 from fleetllm.operator.render import ANNOTATION_APPLIED, child_names, render
 from fleetllm.operator.status import Refusal, Transition, build_status
@@ -26,9 +45,17 @@ from fleetllm.operator.status import Refusal, Transition, build_status
 logger = logging.getLogger("fleetllm.operator")
 
 CONFLICT_ATTEMPTS = 3
+CHILD_RESOURCES: dict[str, Resource] = {
+    "ConfigMap": CONFIGMAPS,
+    "Service": SERVICES,
+    "Deployment": DEPLOYMENTS,
+    "PodDisruptionBudget": PODDISRUPTIONBUDGETS,
+}
+# Read only: whether the replicas can share a model's claim.
+READ_RESOURCES: dict[str, Resource] = {"PersistentVolumeClaim": PERSISTENTVOLUMECLAIMS}
 
 # (body of the LLMDeployment, event type, reason, message)
-EventSink = Callable[[dict[str, Any], str, str, str], None]
+EventSink = Callable[[dict[str, Any], str, str, str], Awaitable[None]]
 
 
 def utcnow() -> str:
@@ -49,6 +76,12 @@ def is_subset(desired: Any, live: Any) -> bool:
             and all(is_subset(d, v) for d, v in zip(desired, live, strict=True))
         )
     return bool(desired == live)
+
+
+def controlled_by(live: dict[str, Any], uid: str | None) -> bool:
+    """Whether the object's controller is the LLMDeployment with this uid."""
+    refs = (live.get("metadata") or {}).get("ownerReferences") or []
+    return uid is not None and any(ref.get("controller") and ref.get("uid") == uid for ref in refs)
 
 
 def needs_apply(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
@@ -76,6 +109,7 @@ class Outcome:
 
     planned: bool
     applied: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
     status_written: bool = False
 
 
@@ -95,6 +129,9 @@ class Reconciler:
         # streams; one reconcile at a time per object keeps their reads and writes ordered.
         self._locks: dict[tuple[str, str], asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        # LLMDeployments whose children's names are taken by objects they do not own; a
+        # foreign object's removal raises no event here, so these are retried on a timer.
+        self.conflicted: set[tuple[str, str]] = set()
 
     async def reconcile(self, namespace: str, name: str) -> Outcome | None:
         """Bring one LLMDeployment's children and status in line; None if it is gone."""
@@ -116,8 +153,9 @@ class Reconciler:
                 self.counts[namespace, name] += 1
 
     async def _reconcile_once(self, namespace: str, name: str) -> Outcome | None:
-        body = await self.client.get(KIND, namespace, name)
+        body = await self.client.get(LLMDEPLOYMENTS, name, namespace)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            self.conflicted.discard((namespace, name))
             return None  # garbage collection removes the children through ownerReferences
         meta = body.get("metadata") or {}
         generation = meta.get("generation")
@@ -134,36 +172,51 @@ class Reconciler:
             outcome = Refusal("InvalidSpec", str(exc))
 
         result = Outcome(planned=isinstance(outcome, Plan))
-        names = child_names(name)
-        deployment: dict[str, Any] | None
-        if isinstance(outcome, Plan) and cr is not None:
-            deployment = None
+        uid = meta.get("uid")
+        live: dict[str, dict[str, Any] | None] = {}
+        for kind, child in child_names(name).items():
+            live[kind] = await self.client.get(CHILD_RESOURCES[kind], child, namespace)
+            if live[kind] is not None and not controlled_by(live[kind], uid):
+                result.conflicts.append(f"{kind} {child}")
+                live[kind] = None  # not ours: never read as our state, never written
+        if isinstance(outcome, Plan) and cr is not None and not result.conflicts:
             for desired in render(cr, outcome, self.config):
                 desired["metadata"].setdefault("namespace", namespace)
                 kind, child = desired["kind"], desired["metadata"]["name"]
-                live = await self.client.get(kind, namespace, child)
-                if needs_apply(desired, live):
-                    verb = "Created" if live is None else "Updated"
-                    live = await self.client.apply(desired)
+                if needs_apply(desired, live[kind]):
+                    verb = "Created" if live[kind] is None else "Updated"
+                    live[kind] = await self.client.apply(CHILD_RESOURCES[kind], desired)
                     result.applied.append(f"{verb} {kind} {child}")
-                if kind == "Deployment":
-                    deployment = live
+        # A refused plan or a conflict applies nothing; what runs keeps running and is reported.
+        if result.conflicts:
+            self.conflicted.add((namespace, name))
         else:
-            # A refused plan applies nothing; what runs keeps running and is still reported.
-            deployment = await self.client.get("Deployment", namespace, names["Deployment"])
+            self.conflicted.discard((namespace, name))
 
         old_status = body.get("status") or {}
         status, transitions = build_status(
-            cr, name, namespace, generation, outcome, deployment, old_status, self._clock()
+            cr,
+            name,
+            namespace,
+            generation,
+            outcome,
+            live["Deployment"],
+            old_status,
+            self._clock(),
+            conflicts=result.conflicts,
         )
         if status != old_status:
             removed = {key: None for key in old_status if key not in status}
             await self.client.patch_status(
-                KIND, namespace, name, {**status, **removed}, meta.get("resourceVersion")
+                LLMDEPLOYMENTS,
+                name,
+                {**status, **removed},
+                namespace,
+                resource_version=meta.get("resourceVersion"),
             )
             result.status_written = True
 
-        self._report(body, namespace, name, result, transitions)
+        await self._report(body, namespace, name, result, transitions)
         return result
 
     async def _claim_access_modes(self, namespace: str, cr: LLMDeployment) -> dict[str, list[str]]:
@@ -172,7 +225,7 @@ class Reconciler:
         modes: dict[str, list[str]] = {}
         for claim in claims_to_check(cr.spec, self.config):
             try:
-                live = await self.client.get("PersistentVolumeClaim", namespace, claim)
+                live = await self.client.get(PERSISTENTVOLUMECLAIMS, claim, namespace)
             except ApiError as exc:
                 if exc.status != 403:
                     raise
@@ -185,7 +238,7 @@ class Reconciler:
                 modes[claim] = list((live.get("spec") or {}).get("accessModes") or [])
         return modes
 
-    def _report(
+    async def _report(
         self,
         body: dict[str, Any],
         namespace: str,
@@ -196,10 +249,10 @@ class Reconciler:
         ref = {**body, "apiVersion": body.get("apiVersion", API_VERSION), "kind": KIND}
         for change in result.applied:
             verb, kind, child = change.split(" ", 2)
-            self._emit(ref, "Normal", verb, f"{kind} {child}")
+            await self._emit(ref, "Normal", verb, f"{kind} {child}")
         for t in transitions:
             message = f"{t.type} is {t.status}" + (f": {t.message}" if t.message else "")
-            self._emit(ref, "Warning" if t.warning else "Normal", t.reason, message)
+            await self._emit(ref, "Warning" if t.warning else "Normal", t.reason, message)
         if result.applied or result.status_written:
             logger.info(
                 "reconciled",
@@ -207,6 +260,7 @@ class Reconciler:
                     "llmdeployment": f"{namespace}/{name}",
                     "planned": result.planned,
                     "applied": result.applied,
+                    "conflicts": result.conflicts,
                     "status_written": result.status_written,
                 },
             )

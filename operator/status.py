@@ -73,6 +73,14 @@ def _plan_summary(plan: Plan) -> str:
     )
 
 
+def conflict_message(conflicts: list[str]) -> str:
+    return (
+        f"{', '.join(conflicts)}: the name is taken by an object this LLMDeployment does not "
+        "own; it is left untouched and nothing is applied until it is deleted or renamed "
+        "(or the LLMDeployment is)"
+    )
+
+
 def build_status(
     cr: LLMDeployment | None,
     name: str,
@@ -82,9 +90,13 @@ def build_status(
     deployment: dict[str, Any] | None,
     old_status: dict[str, Any] | None,
     now: str,
+    conflicts: list[str] | None = None,
 ) -> tuple[dict[str, Any], list[Transition]]:
-    """The new status (as the API stores it) and the conditions that changed."""
+    """The new status (as the API stores it) and the conditions that changed. `conflicts`
+    names children ("Service NAME") whose names are taken by objects not owned by this
+    LLMDeployment: nothing was applied."""
     desired = cr.spec.desired_replicas() if cr is not None else 0
+    conflict = conflict_message(conflicts) if conflicts else None
     replicas, ready, settled, failure = _deployment_counts(deployment)
     planned = isinstance(outcome, Plan)
 
@@ -96,6 +108,8 @@ def build_status(
 
     if not planned:
         conds.append(("Progressing", "False", "PlanRefused", "the spec is not applied"))
+    elif conflict is not None:
+        conds.append(("Progressing", "False", "Conflict", conflict))
     elif deployment is None:
         conds.append(("Progressing", "True", "Creating", "creating the engine Deployment"))
     elif settled:
@@ -121,7 +135,9 @@ def build_status(
     else:
         conds.append(("Ready", "False", "NoReplicaReady", f"0/{desired} replicas ready"))
 
-    if failure is not None:
+    if conflict is not None:
+        conds.append(("Degraded", "True", "Conflict", conflict))
+    elif failure is not None:
         conds.append(("Degraded", "True", "RolloutFailing", failure))
     elif not planned and deployment is not None:
         conds.append(

@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--discovery",
         choices=("static", "kubernetes"),
         default="static",
-        help="static: a fleet file; kubernetes: watch LLMDeployments and "
+        help="static: a fleet file; kubernetes: watch LLMDeployments, their Services and "
         "EndpointSlices (default: %(default)s)",
     )
     g.add_argument(
@@ -47,9 +47,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="static: YAML/JSON `models: {NAME: [URL, ...]}`, reloaded on change",
     )
     g.add_argument(
-        "--namespace", help="kubernetes: namespace to watch (default: the pod's own, else all)"
+        "--namespace",
+        help="kubernetes: namespace to watch (default: the pod's own, else all); with "
+        "--all-namespaces, the home namespace whose models plain model names reach first",
     )
-    g.add_argument("--all-namespaces", action="store_true", help="kubernetes: watch them all")
+    g.add_argument(
+        "--all-namespaces",
+        action="store_true",
+        help="kubernetes: watch them all; model ids become NAMESPACE/MODEL",
+    )
     g.add_argument(
         "--demand-webhook",
         help='static: POST {"model": NAME} here when a model without replicas gets requests',
@@ -201,9 +207,9 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from fleetllm.kube import SECRETS, KubeClient, load_credentials
     from fleetllm.router.auth import keys_from_secret
     from fleetllm.router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
-    from fleetllm.router.kube import KubeClient, default_namespace, login_from_environment
     from fleetllm.router.server import Router
 
     configure_logging(args.log_level)
@@ -217,13 +223,17 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("give --api-keys-file or --api-keys-secret, not both")
 
     kube: KubeClient | None = None
+    own_namespace: str | None = None
     if args.discovery == "kubernetes" or args.api_keys_secret:
-        kube = KubeClient(login_from_environment)
+        # Fail fast, with a clear message, when there are no credentials at all.
+        credentials = load_credentials()
+        own_namespace = credentials.namespace if credentials.in_cluster else None
+        kube = KubeClient(load_credentials, user_agent="fleetllm-router")
     discovery: Discovery
     if args.discovery == "kubernetes":
         assert kube is not None
-        namespace = None if args.all_namespaces else (args.namespace or default_namespace())
-        discovery = KubernetesDiscovery(kube, namespace)
+        home = args.namespace or own_namespace
+        discovery = KubernetesDiscovery(kube, None if args.all_namespaces else home, home)
     else:
         if args.fleet_file is None and not args.admin_key:
             raise ValueError("static discovery needs --fleet-file or --admin-key (or both)")
@@ -235,11 +245,13 @@ def _serve(args: argparse.Namespace) -> int:
     if args.api_keys_secret:
         assert kube is not None
         namespace, _, name = args.api_keys_secret.rpartition("/")
-        namespace = namespace or default_namespace() or "default"
+        namespace = namespace or own_namespace or "default"
         client = kube
 
         async def keys_loader() -> Any:
-            secret = await client.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}")
+            secret = await client.get(SECRETS, name, namespace)
+            if secret is None:
+                raise ValueError(f"Secret {namespace}/{name} does not exist")
             return keys_from_secret(
                 secret, args.rate_limit_rpm, args.rate_limit_tpm, args.max_concurrent_per_key
             )

@@ -3,10 +3,11 @@
 Two sources publish the same `Fleet` value:
 - `static`: a YAML/JSON file of model -> replica URLs (and optional routing), reloaded when it
   changes; the local fleet writes it. A bad edit is logged and the last good fleet stays.
-- `kubernetes`: a watch of LLMDeployments (served model name, routing, spec.replicas) and of
-  the EndpointSlices of their Services (the operator names each Service after its
-  LLMDeployment and labels it `fleetllm.io/model`; slices carry the Service's labels and
-  `kubernetes.io/service-name`). Ready endpoints take requests; terminating ones are draining.
+- `kubernetes`: watches of LLMDeployments (served model name, routing, spec.replicas), of the
+  Services the operator rendered for them (named after the LLMDeployment, controlled by it)
+  and of those Services' EndpointSlices (controlled by the Service). Ready endpoints take
+  requests; terminating ones are draining. With all namespaces, model ids are
+  `NAMESPACE/MODEL` (see `build_fleet`).
 
 A model with no ready replica is still part of the fleet: its requests are held, and its
 source is asked for capacity (`signal_demand`).
@@ -15,8 +16,9 @@ source is asked for capacity (`signal_demand`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,14 +28,17 @@ import aiohttp
 import yaml
 from pydantic import ValidationError
 
-from fleetllm.operator.api import GROUP, PLURAL, VERSION, RoutingSpec, format_validation_error
-from fleetllm.operator.render import LABEL_MODEL
-from fleetllm.router.kube import KubeClient, KubeError
+from fleetllm.kube import ENDPOINTSLICES, SERVICES, Backoff, KubeClient, Resource, Resync
+from fleetllm.operator.api import GROUP, KIND, LLMDEPLOYMENTS, RoutingSpec, format_validation_error
+from fleetllm.operator.render import LABEL_MANAGED_BY, MANAGER, child_names
 
 log = logging.getLogger("fleetllm.router")
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 REPLICA_PORT_NAME = "http"
+# The operator labels its Services so; the EndpointSlice controller copies a Service's labels
+# onto its slices.
+CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER}"
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,10 @@ class ModelRoute:
     owner: tuple[str, str] | None = None
     """(namespace, name) of the LLMDeployment behind the model, where there is one."""
     desired_replicas: int | None = None
+    served_name: str | None = None
+    """The engines' name for the model, where it differs from `name` (the id clients use)."""
+    aliases: tuple[str, ...] = ()
+    """Other ids clients may use for this model."""
 
 
 Fleet = Mapping[str, ModelRoute]
@@ -227,16 +236,38 @@ class StaticDiscovery:
 class DeploymentInfo:
     namespace: str
     name: str
+    uid: str
     model: str
     routing: RoutingSpec
     replicas: int | None
 
 
 @dataclass(frozen=True)
+class ServiceInfo:
+    namespace: str
+    name: str
+    uid: str
+    owner_uid: str | None
+    """uid of the LLMDeployment that controls the Service (the operator rendered it)."""
+
+
+@dataclass(frozen=True)
 class SliceInfo:
     namespace: str
     service: str
+    owner_uid: str | None
+    """uid of the Service that controls the slice (the EndpointSlice controller made it)."""
     replicas: tuple[ReplicaRef, ...]
+
+
+def _controller_uid(meta: Mapping[str, Any], kind: str, api_group: str) -> str | None:
+    for ref in meta.get("ownerReferences") or []:
+        api_version = str(ref.get("apiVersion") or "")
+        group = api_version.rpartition("/")[0] if "/" in api_version else ""
+        if ref.get("controller") is True and ref.get("kind") == kind and group == api_group:
+            uid = ref.get("uid")
+            return uid if isinstance(uid, str) and uid else None
+    return None
 
 
 def parse_deployment(obj: Mapping[str, Any]) -> DeploymentInfo | None:
@@ -244,7 +275,7 @@ def parse_deployment(obj: Mapping[str, Any]) -> DeploymentInfo | None:
     meta = obj.get("metadata") or {}
     spec = obj.get("spec") or {}
     model = (spec.get("model") or {}).get("name")
-    if not isinstance(model, str) or not model or not meta.get("name"):
+    if not isinstance(model, str) or not model or not meta.get("name") or not meta.get("uid"):
         return None
     try:
         routing = RoutingSpec.model_validate(spec.get("routing") or {})
@@ -261,9 +292,22 @@ def parse_deployment(obj: Mapping[str, Any]) -> DeploymentInfo | None:
     return DeploymentInfo(
         namespace=meta.get("namespace") or "default",
         name=meta["name"],
+        uid=str(meta["uid"]),
         model=model,
         routing=routing,
         replicas=replicas if isinstance(replicas, int) else None,
+    )
+
+
+def parse_service(obj: Mapping[str, Any]) -> ServiceInfo | None:
+    meta = obj.get("metadata") or {}
+    if not meta.get("name") or not meta.get("uid"):
+        return None
+    return ServiceInfo(
+        namespace=meta.get("namespace") or "default",
+        name=meta["name"],
+        uid=str(meta["uid"]),
+        owner_uid=_controller_uid(meta, KIND, GROUP),
     )
 
 
@@ -273,12 +317,11 @@ def _endpoint_url(address: str, port: int) -> str:
 
 
 def parse_endpoint_slice(obj: Mapping[str, Any]) -> SliceInfo | None:
-    """The replicas of one EndpointSlice of a model's Service: ready endpoints, plus
-    terminating ones as draining; endpoints not ready yet are left out."""
+    """The replicas of one EndpointSlice of a Service: ready endpoints, plus terminating ones
+    as draining; endpoints not ready yet are left out."""
     meta = obj.get("metadata") or {}
-    labels = meta.get("labels") or {}
-    service = labels.get(SERVICE_NAME_LABEL)
-    if not service or LABEL_MODEL not in labels:
+    service = (meta.get("labels") or {}).get(SERVICE_NAME_LABEL)
+    if not service:
         return None
     ports = [p for p in obj.get("ports") or [] if isinstance(p, dict) and p.get("port")]
     named = [p for p in ports if p.get("name") == REPLICA_PORT_NAME]
@@ -297,142 +340,177 @@ def parse_endpoint_slice(obj: Mapping[str, Any]) -> SliceInfo | None:
                 continue
             url = _endpoint_url(addresses[0], port)
             refs[url] = ReplicaRef(url, draining=terminating or not ready)
-    return SliceInfo(meta.get("namespace") or "default", service, tuple(refs.values()))
+    return SliceInfo(
+        namespace=meta.get("namespace") or "default",
+        service=service,
+        owner_uid=_controller_uid(meta, "Service", ""),
+        replicas=tuple(refs.values()),
+    )
 
 
 def build_fleet(
-    deployments: Mapping[Any, DeploymentInfo], slices: Mapping[Any, SliceInfo]
+    deployments: Mapping[Any, DeploymentInfo],
+    services: Mapping[Any, ServiceInfo],
+    slices: Mapping[Any, SliceInfo],
+    *,
+    qualified: bool,
+    home_namespace: str | None = None,
 ) -> dict[str, ModelRoute]:
-    """Join slices to LLMDeployments by (namespace, Service name == LLMDeployment name).
-    Two LLMDeployments serving one model name share its replicas; the first by namespace/name
-    decides routing and receives demand."""
-    by_service: dict[tuple[str, str], dict[str, ReplicaRef]] = {}
+    """The fleet by model id. A model's replicas are the endpoints of the Service the
+    operator rendered for its LLMDeployment, and only those: the Service named after the
+    LLMDeployment in its namespace, controlled by it (same uid), and the EndpointSlices
+    controlled by that Service. Two LLMDeployments of one namespace serving one model name
+    share its replicas; the first by name decides routing and receives demand.
+
+    Ids are `NAMESPACE/MODEL` when `qualified` (all namespaces), so no namespace can take
+    another's traffic; the plain model name is an alias where it is unambiguous: served in
+    `home_namespace`, else in exactly one namespace. Unqualified (one namespace), ids are
+    plain model names and `NAMESPACE/MODEL` is the alias."""
+    ours = {(s.namespace, s.name): s for s in services.values() if s.owner_uid is not None}
+    endpoints: dict[tuple[str, str, str], dict[str, ReplicaRef]] = {}
     for info in slices.values():
-        refs = by_service.setdefault((info.namespace, info.service), {})
+        if info.owner_uid is None:
+            continue
+        refs = endpoints.setdefault((info.namespace, info.service, info.owner_uid), {})
         for ref in info.replicas:
             if ref.url not in refs or refs[ref.url].draining:
                 refs[ref.url] = ref
+
     fleet: dict[str, ModelRoute] = {}
     for d in sorted(deployments.values(), key=lambda d: (d.namespace, d.name)):
-        refs = by_service.get((d.namespace, d.name), {})
-        route = fleet.get(d.model)
+        service = ours.get((d.namespace, child_names(d.name)["Service"]))
+        refs: dict[str, ReplicaRef] = {}
+        if service is not None and service.owner_uid == d.uid:
+            refs = endpoints.get((d.namespace, service.name, service.uid), {})
+        model_id = f"{d.namespace}/{d.model}" if qualified else d.model
+        route = fleet.get(model_id)
         if route is None:
-            fleet[d.model] = ModelRoute(
-                d.model, tuple(refs.values()), d.routing, (d.namespace, d.name), d.replicas
+            fleet[model_id] = ModelRoute(
+                model_id,
+                tuple(refs.values()),
+                d.routing,
+                (d.namespace, d.name),
+                d.replicas,
+                served_name=d.model,
+                aliases=() if qualified else (f"{d.namespace}/{d.model}",),
             )
         else:
             merged = {r.url: r for r in route.replicas} | refs
-            fleet[d.model] = ModelRoute(
-                d.model,
-                tuple(merged.values()),
-                route.routing,
-                route.owner,
-                route.desired_replicas,
-            )
+            fleet[model_id] = dataclasses.replace(route, replicas=tuple(merged.values()))
+
+    if qualified:
+        serving: dict[str, list[str]] = {}
+        for model_id, route in fleet.items():
+            serving.setdefault(route.served_name or model_id, []).append(model_id)
+        for plain, ids in serving.items():
+            home = f"{home_namespace}/{plain}"
+            target = home if home in ids else ids[0] if len(ids) == 1 else None
+            if target is not None:
+                fleet[target] = dataclasses.replace(fleet[target], aliases=(plain,))
     return fleet
 
 
-class KubernetesDiscovery:
-    """Watches LLMDeployments and EndpointSlices in one namespace (or all)."""
+def missing_model_message(requested: str, ids: Iterable[str]) -> str:
+    """Why a model id is not found; names the candidates when a plain name is ambiguous."""
+    candidates = sorted(i for i in ids if "/" in i and i.split("/", 1)[1] == requested)
+    if len(candidates) > 1:
+        return (
+            f"The model `{requested}` is served in several namespaces "
+            f"({', '.join(candidates)}): name one as NAMESPACE/{requested}."
+        )
+    return f"The model `{requested}` does not exist."
 
-    def __init__(self, client: KubeClient, namespace: str | None, retry_delay: float = 2.0) -> None:
+
+def _safely(parse: Callable[[Mapping[str, Any]], Any]) -> Callable[[Mapping[str, Any]], Any]:
+    def wrapped(obj: Mapping[str, Any]) -> Any:
+        try:
+            return parse(obj)
+        except (AttributeError, TypeError, ValueError) as exc:
+            # A malformed object is skipped; a router that stops following its fleet is
+            # worse than one that misses one object.
+            log.warning("ignored a malformed object: %s: %s", type(exc).__name__, exc)
+            return None
+
+    return wrapped
+
+
+class KubernetesDiscovery:
+    """Follows LLMDeployments, the operator's Services and their EndpointSlices in one
+    namespace (or all, `namespace=None`); children by a server-side label selector."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        namespace: str | None,
+        home_namespace: str | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
         self.client = client
         self.namespace = namespace
-        self.retry_delay = retry_delay
-        self._deployments: dict[Any, DeploymentInfo] = {}
-        self._slices: dict[Any, SliceInfo] = {}
+        self.home_namespace = namespace or home_namespace
+        self.backoff = backoff
+        self._stores: dict[str, dict[Any, Any]] = {"deployments": {}, "services": {}, "slices": {}}
         self._synced: set[str] = set()
         self._publish: Publish | None = None
 
-    def _path(self, api: str, plural: str) -> str:
-        where = f"/namespaces/{self.namespace}" if self.namespace else ""
-        return f"/apis/{api}{where}/{plural}"
-
     def _changed(self) -> None:
-        if self._publish is not None and len(self._synced) == 2:
-            self._publish(build_fleet(self._deployments, self._slices))
+        if self._publish is not None and len(self._synced) == len(self._stores):
+            self._publish(
+                build_fleet(
+                    self._stores["deployments"],
+                    self._stores["services"],
+                    self._stores["slices"],
+                    qualified=self.namespace is None,
+                    home_namespace=self.home_namespace,
+                )
+            )
 
     async def run(self, publish: Publish) -> None:
         self._publish = publish
         try:
             async with asyncio.TaskGroup() as group:
-                group.create_task(
-                    self._follow(
-                        self._path(f"{GROUP}/{VERSION}", PLURAL),
-                        {},
-                        self._deployments,
-                        parse_deployment,
-                    )
-                )
-                group.create_task(
-                    self._follow(
-                        self._path("discovery.k8s.io/v1", "endpointslices"),
-                        {"labelSelector": LABEL_MODEL},
-                        self._slices,
-                        parse_endpoint_slice,
-                    )
-                )
+                group.create_task(self._follow("deployments", LLMDEPLOYMENTS, parse_deployment))
+                group.create_task(self._follow("services", SERVICES, parse_service))
+                group.create_task(self._follow("slices", ENDPOINTSLICES, parse_endpoint_slice))
         finally:
             await self.client.close()
 
     async def _follow(
-        self,
-        path: str,
-        params: dict[str, str],
-        store: dict[Any, Any],
-        parse: Callable[[Mapping[str, Any]], Any],
+        self, store_name: str, resource: Resource, parse: Callable[[Mapping[str, Any]], Any]
     ) -> None:
-        """List, then watch from the list's version; on any break, list again (a re-list
-        replaces the whole store, so missed or repeated events cannot leave stale entries)."""
+        """Keep one store in line with the API: a resync replaces it whole, so missed or
+        repeated events cannot leave stale entries."""
+        store = self._stores[store_name]
+        parse = _safely(parse)
+        selector = None if resource is LLMDEPLOYMENTS else CHILD_SELECTOR
+        backoff = dataclasses.replace(self.backoff) if self.backoff else None
 
         def key(obj: Mapping[str, Any]) -> tuple[str, str]:
             meta = obj.get("metadata") or {}
             return (meta.get("namespace") or "", meta.get("name") or "")
 
-        while True:
-            try:
-                listing = await self.client.request("GET", path, params=params)
+        async for item in self.client.follow(
+            resource, self.namespace, label_selector=selector, backoff=backoff
+        ):
+            if isinstance(item, Resync):
                 store.clear()
-                for obj in listing.get("items") or []:
+                for obj in item.items:
                     if (parsed := parse(obj)) is not None:
                         store[key(obj)] = parsed
-                self._synced.add(path)
-                self._changed()
-                version = (listing.get("metadata") or {}).get("resourceVersion")
-                watch_params = {**params, "allowWatchBookmarks": "true"}
-                if version:
-                    watch_params["resourceVersion"] = version
-                async for event in self.client.watch(path, watch_params):
-                    kind, obj = event.get("type"), event.get("object") or {}
-                    if kind == "ERROR":
-                        break  # e.g. 410 Gone: the version is too old; list again
-                    if kind not in ("ADDED", "MODIFIED", "DELETED"):
-                        continue
-                    parsed = parse(obj) if kind != "DELETED" else None
-                    if parsed is None:
-                        store.pop(key(obj), None)
-                    else:
-                        store[key(obj)] = parsed
-                    self._changed()
-            except (aiohttp.ClientError, TimeoutError, KubeError, ValueError) as exc:
-                log.warning("kubernetes watch of %s broke, listing again: %s", path, exc)
-                await asyncio.sleep(self.retry_delay)
-            except Exception:
-                # Whatever the cause, a router that stops following its fleet is worse than
-                # one that keeps trying.
-                log.exception("kubernetes watch of %s failed, listing again", path)
-                await asyncio.sleep(self.retry_delay)
+                self._synced.add(store_name)
+            else:
+                parsed = parse(item.object) if item.type != "DELETED" else None
+                if parsed is None:
+                    store.pop(key(item.object), None)
+                else:
+                    store[key(item.object)] = parsed
+            self._changed()
 
     async def signal_demand(self, route: ModelRoute) -> None:
         if route.owner is None or (route.desired_replicas or 0) >= 1:
             return
         namespace, name = route.owner
-        await self.client.request(
-            "PATCH",
-            f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/scale",
-            body={"spec": {"replicas": 1}},
-            content_type="application/merge-patch+json",
-        )
+        await self.client.patch_scale(LLMDEPLOYMENTS, name, 1, namespace)
         log.info(
             "asked for a replica of %s: scaled LLMDeployment %s/%s to 1",
             route.name,

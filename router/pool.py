@@ -25,7 +25,9 @@ from fleetllm.router.discovery import (
     ModelRoute,
     discovery_summary,
     has_credentials,
+    missing_model_message,
 )
+from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldQueue
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.replicas import Replica
@@ -145,6 +147,8 @@ class ReplicaPool:
         self.metrics = metrics
         self.discovery = discovery
         self.models: dict[str, ModelPool] = {}
+        self.aliases: dict[str, str] = {}
+        """Other ids clients may use -> the model's id (see ModelRoute.aliases)."""
         self.synced = False
         self._session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -173,6 +177,13 @@ class ReplicaPool:
 
     # -- the fleet ---------------------------------------------------------------------------
 
+    def resolve(self, requested: str) -> ModelPool:
+        """The model a client's `model` names, by id or alias; 404 otherwise."""
+        model = self.models.get(requested) or self.models.get(self.aliases.get(requested, ""))
+        if model is None:
+            raise RouterError(404, missing_model_message(requested, self.models), "model")
+        return model
+
     def apply_fleet(self, fleet: Fleet) -> None:
         """Adopt what discovery reports: models and replicas come and go; a replica that
         stays keeps its state (health, load, in-flight count)."""
@@ -183,6 +194,7 @@ class ReplicaPool:
                 for url in list(model.replicas):
                     self._drop_replica(model, url)
                 model.hold.notify()
+        self.aliases = {alias: name for name, route in fleet.items() for alias in route.aliases}
         for name, route in fleet.items():
             model = self.models.get(name)
             if model is None:

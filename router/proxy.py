@@ -184,10 +184,13 @@ class Proxy:
         name = payload.get("model")
         if not isinstance(name, str) or not name:
             raise RouterError(400, "`model` is required and must be a string.", "model")
-        model = self.pool.models.get(name)
-        if model is None:
-            raise RouterError(404, f"The model `{name}` does not exist.", "model")
-        ctx.model = name
+        model = self.pool.resolve(name)
+        served = model.route.served_name
+        if served and served != name:
+            # An alias or a namespace-qualified id: the engines know the served name.
+            ctx.payload = {**payload, "model": served}
+            ctx.body = json.dumps(ctx.payload).encode()
+        ctx.model = model.name
         admitted = self.access.admitted(ctx.key) if ctx.key else contextlib.nullcontext()
         with admitted:
             ctx.routed = True

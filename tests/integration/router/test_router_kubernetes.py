@@ -1,11 +1,11 @@
-"""Kubernetes discovery against an emulated API server (kmock): `fleetllm router serve
---discovery kubernetes`, logged in through a kubeconfig, routes to the EndpointSlices of each
-LLMDeployment's Service, leaves terminating endpoints alone, and scales a model up from zero
-through the scale subresource when its requests are held.
+"""Kubernetes discovery against the emulated API server (tests/kubeapi.py): `fleetllm router
+serve --discovery kubernetes`, logged in through a kubeconfig, routes to the EndpointSlices of
+the Service the operator rendered for each LLMDeployment (and to no other), leaves terminating
+endpoints alone, keys models by namespace with `--all-namespaces`, and scales a model up from
+zero through the scale subresource when its requests are held.
 
-kmock ignores label selectors and watch resourceVersions and sets no resourceVersion: the
-router filters slices by label itself and rebuilds its state on every list, which these gaps
-cannot fool.
+The emulator filters by label selector on the server side, as a real API server does, and
+serves watches from a resourceVersion.
 """
 
 from __future__ import annotations
@@ -20,40 +20,53 @@ import httpx
 import kmock
 import pytest
 import pytest_asyncio
+from kubeapi import CR_RESOURCE, EmulatedApiServer, emulated_api, kubeconfig_for
 from router_testkit import EngineFleet, Process, async_wait_until, metric_sum
 
 from fleetllm.operator.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from fleetllm.operator.render import LABEL_MODEL
+from fleetllm.operator.render import LABEL_MANAGED_BY, LABEL_MODEL, MANAGER
 from fleetllm.router.discovery import SERVICE_NAME_LABEL
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [
+    pytest.mark.asyncio,
+    # kmock 0.8 loads its bundled resource list with a deprecated importlib call.
+    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
+]
 
 NS = "default"
-CRS = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}"
-SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"
 GUARD = 120.0
 
 
+def _crs(ns: str = NS) -> str:
+    return f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}"
+
+
+def _slices(ns: str = NS) -> str:
+    return f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+
+
 @pytest_asyncio.fixture()
-async def api() -> AsyncIterator[Any]:
-    server = kmock.KubernetesEmulator()
-    server.resources.load_bundled()
-    server.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = kmock.ResourceInfo(
-        kind=KIND,
-        singular=KIND.lower(),
-        namespaced=True,
-        verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
-        subresources={"status", "scale"},
-    )
-    async with server, kmock.Server(server):
+async def api() -> AsyncIterator[EmulatedApiServer]:
+    async with emulated_api() as server:
         yield server
 
 
-def _deployment(name: str, model: str, replicas: int, strategy: str) -> dict[str, Any]:
-    return {
+async def _write(api: Any, method: str, path: str, body: Any = None) -> dict[str, Any]:
+    headers = {"Content-Type": "application/merge-patch+json"} if method == "PATCH" else {}
+    async with api.request(method, path, json=body, headers=headers) as response:
+        assert response.status in (200, 201), await response.text()
+        return dict(await response.json())
+
+
+async def _model(
+    api: Any, name: str, model: str, replicas: int, strategy: str, ns: str = NS
+) -> str:
+    """An LLMDeployment and the Service the operator renders for it (named after it,
+    labelled, controlled by it); the Service's uid."""
+    deployment = {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": {"name": name, "namespace": NS},
+        "metadata": {"name": name, "namespace": ns},
         "spec": {
             "model": {"name": model, "source": "builtin://smollm2-135m"},
             "gpu": {"type": "cpu"},
@@ -61,49 +74,83 @@ def _deployment(name: str, model: str, replicas: int, strategy: str) -> dict[str
             "routing": {"strategy": strategy},
         },
     }
+    created = await _write(api, "POST", _crs(ns), deployment)
+    owner = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": name,
+        "uid": created["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    return await _service(api, name, model, ns, [owner])
 
 
-def _slice(name: str, service: str, model: str, port: int, **conditions: bool) -> dict[str, Any]:
+async def _service(api: Any, name: str, model: str, ns: str, owners: list[dict[str, Any]]) -> str:
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "labels": {LABEL_MANAGED_BY: MANAGER, LABEL_MODEL: model},
+            "ownerReferences": owners,
+        },
+        "spec": {
+            "clusterIP": "None",
+            "selector": {"app.kubernetes.io/instance": name},
+            "ports": [{"name": "http", "port": 8000, "targetPort": 8000, "protocol": "TCP"}],
+        },
+    }
+    created = await _write(api, "POST", f"/api/v1/namespaces/{ns}/services", service)
+    return str(created["metadata"]["uid"])
+
+
+def _slice(
+    name: str, service: str, service_uid: str | None, model: str, port: int, ns: str = NS
+) -> dict[str, Any]:
+    """As the EndpointSlice controller writes it: the Service's labels, the service-name
+    label, the Service as controller."""
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": ns,
+        "labels": {SERVICE_NAME_LABEL: service, LABEL_MODEL: model, LABEL_MANAGED_BY: MANAGER},
+    }
+    if service_uid is not None:
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "name": service,
+                "uid": service_uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
     return {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
-        "metadata": {
-            "name": name,
-            "namespace": NS,
-            "labels": {SERVICE_NAME_LABEL: service, LABEL_MODEL: model},
-        },
+        "metadata": meta,
         "addressType": "IPv4",
         "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
-        "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True, **conditions}}],
+        "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}],
     }
 
 
-async def _write(api: Any, method: str, path: str, body: Any = None) -> None:
-    async with api.request(method, path, json=body) as response:
-        assert response.status in (200, 201), await response.text()
-
-
-def _kubeconfig(api: Any, tmp_path: Path) -> Path:
+def _router(api: Any, tmp_path: Path, *extra: str) -> Process:
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\n"
-        f"clusters: [{{name: emu, cluster: {{server: '{str(api.url).rstrip('/')}'}}}}]\n"
-        "users: [{name: anon, user: {}}]\n"
-        "contexts: [{name: emu, context: {cluster: emu, user: anon}}]\n"
-        "current-context: emu\n"
-    )
-    return kubeconfig
+    kubeconfig.write_text(kubeconfig_for(str(api.url).rstrip("/")))
+    return Process(
+        ["router", "serve", "--discovery", "kubernetes", "--hold-timeout", str(GUARD),
+         "--scrape-interval", "0.2", *extra],
+        tmp_path / "router.log",
+        env={"KUBECONFIG": str(kubeconfig)},
+    )  # fmt: skip
 
 
 @pytest_asyncio.fixture()
 async def router(api: Any, tmp_path: Path) -> AsyncIterator[Process]:
-    kubeconfig = _kubeconfig(api, tmp_path)
-    process = Process(
-        ["router", "serve", "--discovery", "kubernetes", "--namespace", NS,
-         "--hold-timeout", str(GUARD), "--scrape-interval", "0.2"],
-        tmp_path / "router.log",
-        env={"KUBECONFIG": str(kubeconfig)},
-    )  # fmt: skip
+    process = _router(api, tmp_path, "--namespace", NS)
     # The emulator answers from this event loop: wait for the router in a thread.
     await asyncio.to_thread(process.wait_healthy)
     yield process
@@ -120,56 +167,68 @@ async def _upstream_counts(client: httpx.AsyncClient, router: Process) -> dict[s
     return counts
 
 
-async def test_routes_to_ready_endpoints_and_drains_terminating_ones(
+async def _send(client: httpx.AsyncClient, router: Process, model: str, n: int) -> dict[str, float]:
+    """Send n completions for `model`; which replicas served them."""
+    before = await _upstream_counts(client, router)
+    for i in range(n):
+        r = await client.post(
+            f"{router.url}/v1/completions",
+            json={"model": model, "prompt": f"k8s {i}", "max_tokens": 2},
+        )
+        assert r.status_code == 200, r.text
+    after = await _upstream_counts(client, router)
+    return {k: after[k] - before.get(k, 0.0) for k in after if after[k] > before.get(k, 0)}
+
+
+async def test_routes_to_ready_endpoints_of_the_operators_service_only(
     api: Any, router: Process, engines: EngineFleet
 ) -> None:
-    await _write(api, "POST", CRS, _deployment("chat", "alpha", 3, "round-robin"))
+    uid = await _model(api, "chat", "alpha", 3, "round-robin")
     ports = [p.port for p in engines.alpha]
     for i, port in enumerate(ports):
-        await _write(api, "POST", SLICES, _slice(f"chat-{i}", "chat", "alpha", port))
-    # A slice of another model's Service, and an unlabelled one, must not leak in.
-    await _write(api, "POST", SLICES, _slice("other-0", "other", "alpha", engines.beta.port))
-    stray = _slice("stray-0", "chat", "alpha", engines.beta.port)
-    del stray["metadata"]["labels"][LABEL_MODEL]
-    await _write(api, "POST", SLICES, stray)
+        await _write(api, "POST", _slices(), _slice(f"chat-{i}", "chat", uid, "alpha", port))
+    beta = engines.beta.port
+    # None of these may take alpha's traffic: a slice of another Service; a slice that names
+    # chat's Service by label but is not controlled by it; one without the operator's label
+    # (the server filters it out); and the slices of a Service named like an LLMDeployment
+    # but not controlled by it.
+    await _write(api, "POST", _slices(), _slice("other-0", "other", "uid-other", "alpha", beta))
+    await _write(api, "POST", _slices(), _slice("forged-0", "chat", "forged", "alpha", beta))
+    await _write(api, "POST", _slices(), _slice("bare-0", "chat", None, "alpha", beta))
+    unlabelled = _slice("unlabelled-0", "chat", uid, "alpha", beta)
+    del unlabelled["metadata"]["labels"][LABEL_MANAGED_BY]
+    await _write(api, "POST", _slices(), unlabelled)
+    await _write(api, "POST", _crs(), _cr("lookalike", "gamma"))
+    foreign = await _service(api, "lookalike", "gamma", NS, owners=[])
+    await _write(api, "POST", _slices(), _slice("lookalike-0", "lookalike", foreign, "gamma", beta))
 
     async with httpx.AsyncClient(timeout=GUARD) as client:
         await async_wait_until(
-            lambda: _has(_lister(client, router), ["alpha"]), "alpha discovered", GUARD
+            lambda: _has(_lister(client, router), ["alpha", "gamma"]), "models discovered", GUARD
         )
-
-        async def send(n: int) -> dict[str, float]:
-            before = await _upstream_counts(client, router)
-            for i in range(n):
-                r = await client.post(
-                    f"{router.url}/v1/completions",
-                    json={"model": "alpha", "prompt": f"k8s {i}", "max_tokens": 2},
-                )
-                assert r.status_code == 200
-            after = await _upstream_counts(client, router)
-            return {k: after[k] - before.get(k, 0.0) for k in after if after[k] > before.get(k, 0)}
-
         urls = [p.url for p in engines.alpha]
         await async_wait_until(
             lambda: _replicas_up(client, router, urls), "all three endpoints up", GUARD
         )
-        assert set(await send(6)) == set(urls)
+        assert set(await _send(client, router, "alpha", 6)) == set(urls)
+        # The namespace-qualified id reaches the same model.
+        assert set(await _send(client, router, f"{NS}/alpha", 3)) <= set(urls)
 
         # The first endpoint starts terminating: it gets no new requests.
-        terminating = _slice("chat-0", "chat", "alpha", ports[0])
+        terminating = _slice("chat-0", "chat", uid, "alpha", ports[0])
         terminating["endpoints"][0]["conditions"] = {
             "ready": False, "serving": True, "terminating": True,
         }  # fmt: skip
-        await _write(api, "PATCH", f"{SLICES}/chat-0", {"endpoints": terminating["endpoints"]})
+        await _write(api, "PATCH", f"{_slices()}/chat-0", {"endpoints": terminating["endpoints"]})
         await async_wait_until(
             lambda: _replicas_up(client, router, urls[1:], down=urls[:1]),
             "terminating endpoint drained",
             GUARD,
         )
-        assert set(await send(6)) == set(urls[1:])
+        assert set(await _send(client, router, "alpha", 6)) == set(urls[1:])
 
         # Its slice goes away: so does the replica.
-        await _write(api, "DELETE", f"{SLICES}/chat-0")
+        await _write(api, "DELETE", f"{_slices()}/chat-0")
 
         async def forgotten() -> bool:
             text = (await client.get(f"{router.url}/metrics")).text
@@ -177,6 +236,74 @@ async def test_routes_to_ready_endpoints_and_drains_terminating_ones(
 
         await async_wait_until(forgotten, "deleted endpoint forgotten", GUARD)
         assert engines.beta.url not in await _upstream_counts(client, router)
+
+    # Every watch the router opened asked the server to filter children by label.
+    watches = [r for r in api if r.action == kmock.action.WATCH and r.resource is not None]
+    by_plural = {r.resource.plural: r.params.get("labelSelector") for r in watches}
+    assert by_plural["services"] == f"{LABEL_MANAGED_BY}={MANAGER}"
+    assert by_plural["endpointslices"] == f"{LABEL_MANAGED_BY}={MANAGER}"
+    assert all(r.params.get("allowWatchBookmarks") == "true" for r in watches)
+
+
+def _cr(name: str, model: str, ns: str = NS) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "model": {"name": model, "source": "builtin://smollm2-135m"},
+            "gpu": {"type": "cpu"},
+        },
+    }
+
+
+async def test_all_namespaces_keys_models_by_namespace(
+    api: Any, engines: EngineFleet, tmp_path: Path
+) -> None:
+    first, second = engines.alpha[0], engines.alpha[1]
+    uid_a = await _model(api, "chat", "alpha", 1, "least-load", ns="team-a")
+    await _write(
+        api, "POST", _slices("team-a"), _slice("a", "chat", uid_a, "alpha", first.port, "team-a")
+    )
+    uid_b = await _model(api, "chat", "alpha", 1, "least-load", ns="team-b")
+    await _write(
+        api, "POST", _slices("team-b"), _slice("b", "chat", uid_b, "alpha", second.port, "team-b")
+    )
+    # team-b's slice claiming team-a's Service by name and uid is still team-b's object: the
+    # slice must live in the Service's namespace.
+    await _write(
+        api, "POST", _slices("team-b"), _slice("x", "chat", uid_a, "alpha", second.port, "team-b")
+    )
+
+    router = _router(api, tmp_path, "--all-namespaces")
+    await asyncio.to_thread(router.wait_healthy)
+    try:
+        async with httpx.AsyncClient(timeout=GUARD) as client:
+            await async_wait_until(
+                lambda: _has(_lister(client, router), ["team-a/alpha", "team-b/alpha"]),
+                "both namespaces' models discovered",
+                GUARD,
+            )
+            await async_wait_until(
+                lambda: _replicas_up(client, router, [first.url, second.url]), "replicas up", GUARD
+            )
+            assert set(await _send(client, router, "team-a/alpha", 4)) == {first.url}
+            assert set(await _send(client, router, "team-b/alpha", 4)) == {second.url}
+            r = await client.post(
+                f"{router.url}/v1/completions",
+                json={"model": "alpha", "prompt": "x", "max_tokens": 2},
+            )
+            assert r.status_code == 404
+            assert "team-a/alpha, team-b/alpha" in r.json()["error"]["message"]
+
+            # Once team-b's model is gone, the plain name is unambiguous again.
+            await _write(api, "DELETE", f"{_crs('team-b')}/chat")
+            await async_wait_until(
+                lambda: _has(_lister(client, router), ["team-a/alpha"]), "team-b gone", GUARD
+            )
+            assert set(await _send(client, router, "alpha", 3)) == {first.url}
+    finally:
+        await asyncio.to_thread(router.close)
 
 
 async def _has(models: Callable[[], Any], wanted: list[str]) -> bool:
@@ -195,7 +322,7 @@ async def _replicas_up(
 async def test_scale_from_zero_patches_the_scale_subresource(
     api: Any, router: Process, gamma_engine: Callable[[], Process]
 ) -> None:
-    await _write(api, "POST", CRS, _deployment("sleepy", "gamma", 0, "prefix"))
+    uid = await _model(api, "sleepy", "gamma", 0, "prefix")
     async with httpx.AsyncClient(timeout=GUARD) as client:
         await async_wait_until(
             lambda: _has(_lister(client, router), ["gamma"]), "gamma discovered", GUARD
@@ -217,13 +344,14 @@ async def test_scale_from_zero_patches_the_scale_subresource(
 
         await async_wait_until(lambda: bool(scale_patches()), "scale patch sent", GUARD)
         assert scale_patches()[0] == {"spec": {"replicas": 1}}
-        key = (kmock.resource(f"{GROUP}/{VERSION}/{PLURAL}"), NS, "sleepy")
-        assert api.objects[key].raw["spec"]["replicas"] == 1
+        assert api.get(CR_RESOURCE, "sleepy")["spec"]["replicas"] == 1
         assert not held.done()
 
         # The operator's Deployment would now start a pod; its endpoint becomes ready.
         engine = await asyncio.to_thread(gamma_engine)
-        await _write(api, "POST", SLICES, _slice("sleepy-0", "sleepy", "gamma", engine.port))
+        await _write(
+            api, "POST", _slices(), _slice("sleepy-0", "sleepy", uid, "gamma", engine.port)
+        )
         response = await asyncio.wait_for(held, GUARD)
         assert response.status_code == 200
         assert response.json()["model"] == "gamma"
@@ -245,14 +373,9 @@ async def test_api_keys_from_a_secret(api: Any, engines: EngineFleet, tmp_path: 
         "data": {"team-a": base64.b64encode(b"sk-from-secret").decode()},
     }
     await _write(api, "POST", f"/api/v1/namespaces/{NS}/secrets", secret)
-    await _write(api, "POST", CRS, _deployment("beta", "beta", 1, "least-load"))
-    await _write(api, "POST", SLICES, _slice("beta-0", "beta", "beta", engines.beta.port))
-    process = Process(
-        ["router", "serve", "--discovery", "kubernetes", "--namespace", NS,
-         "--api-keys-secret", f"{NS}/router-keys"],
-        tmp_path / "router.log",
-        env={"KUBECONFIG": str(_kubeconfig(api, tmp_path))},
-    )  # fmt: skip
+    uid = await _model(api, "beta", "beta", 1, "least-load")
+    await _write(api, "POST", _slices(), _slice("beta-0", "beta", uid, "beta", engines.beta.port))
+    process = _router(api, tmp_path, "--namespace", NS, "--api-keys-secret", f"{NS}/router-keys")
     try:
         await asyncio.to_thread(process.wait_healthy)
         body = {"model": "beta", "prompt": "x", "max_tokens": 2}

@@ -152,7 +152,7 @@ def test_operator_run_without_credentials_says_so(
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))
     assert main(["operator", "run", "-n", "default"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("fleetllm: error: cannot read Kubernetes credentials")
+    assert err.startswith("fleetllm: error: cannot log in to Kubernetes")
     assert "missing-kubeconfig" in err
 
 

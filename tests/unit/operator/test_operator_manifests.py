@@ -11,11 +11,11 @@ import yaml
 from openapi_schema_validator import OAS30Validator
 
 from fleetllm.cli import build_parser, main
+from fleetllm.operator.api import LLMDEPLOYMENTS
 from fleetllm.operator.cli import config_from_args
 from fleetllm.operator.config import ModelCache, OperatorConfig
 from fleetllm.operator.install import monitoring_objects, operator_objects
-from fleetllm.operator.kube import READ_ONLY_KINDS, RESOURCES
-from fleetllm.operator.reconciler import is_subset
+from fleetllm.operator.reconciler import CHILD_RESOURCES, READ_RESOURCES, is_subset
 from fleetllm.operator.render import selector_labels
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -137,10 +137,11 @@ def test_operator_configuration_reaches_its_command() -> None:
 
 def test_rbac_covers_every_resource_the_operator_touches() -> None:
     granted = _granted(_role("ClusterRole", "fleetllm-operator"))
-    for kind, ref in RESOURCES.items():
+    resources = {**CHILD_RESOURCES, **READ_RESOURCES, "LLMDeployment": LLMDEPLOYMENTS}
+    for kind, ref in resources.items():
         group = ref.api_version.rpartition("/")[0]
-        verbs = {"get"} if kind in READ_ONLY_KINDS else {"get", "list", "watch", "patch"}
-        if kind not in READ_ONLY_KINDS | {"LLMDeployment"}:
+        verbs = {"get"} if kind in READ_RESOURCES else {"get", "list", "watch", "patch"}
+        if kind in CHILD_RESOURCES:
             verbs.add("create")  # server-side apply creates missing children
         for verb in verbs:
             assert (group, ref.plural, verb) in granted, (kind, verb)
@@ -182,6 +183,9 @@ def test_the_router_runs_in_the_cluster_with_kubernetes_discovery_and_keys_from_
         ("fleetllm.io", "llmdeployments", "watch"),
         ("fleetllm.io", "llmdeployments/scale", "get"),
         ("fleetllm.io", "llmdeployments/scale", "patch"),
+        ("", "services", "get"),
+        ("", "services", "list"),
+        ("", "services", "watch"),
         ("discovery.k8s.io", "endpointslices", "get"),
         ("discovery.k8s.io", "endpointslices", "list"),
         ("discovery.k8s.io", "endpointslices", "watch"),

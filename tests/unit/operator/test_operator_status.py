@@ -132,3 +132,25 @@ def test_a_refused_plan_keeps_reporting_what_runs() -> None:
     assert _conds(running)["Ready"] == ("True", "Serving")
     assert _conds(running)["Degraded"] == ("True", "PlanRefused")
     assert _conds(running)["Progressing"] == ("False", "PlanRefused")
+
+
+def test_a_conflict_is_reported_and_outranks_a_failing_rollout() -> None:
+    failing = _deployment(
+        conditions=[{"type": "Progressing", "status": "False", "reason": "Deadline"}]
+    )
+    serving, _ = build_status(CR, "smol", "ml", 4, PLAN, failing, None, "T1")
+    status, transitions = build_status(
+        CR, "smol", "ml", 4, PLAN, failing, serving, "T2", conflicts=["Service smol"]
+    )
+    assert _conds(status) == {
+        "Planned": ("True", "Planned"),
+        "Progressing": ("False", "Conflict"),
+        "Ready": ("True", "Serving"),  # what runs keeps running
+        "Degraded": ("True", "Conflict"),
+        "ScaledToZero": ("False", "ReplicasWanted"),
+    }
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["message"].startswith("Service smol: the name is taken")
+    conflict = [t for t in transitions if t.reason == "Conflict"]
+    assert {t.type for t in conflict} == {"Progressing", "Degraded"}
+    assert any(t.warning for t in conflict)

@@ -1,4 +1,5 @@
-"""Discovery parsing: the static fleet file, LLMDeployments and EndpointSlices, and the join."""
+"""Discovery parsing: the static fleet file, LLMDeployments, Services and EndpointSlices, and
+the join."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from fleetllm.router.discovery import (
     ReplicaRef,
     StaticDiscovery,
     build_fleet,
+    missing_model_message,
     parse_deployment,
     parse_endpoint_slice,
+    parse_service,
     parse_static_fleet,
 )
 
@@ -84,17 +87,35 @@ def _slice(
     endpoints: list[dict[str, Any]],
     ports: list[dict[str, Any]] | None = None,
     namespace: str = "ml",
+    service_uid: str | None = None,
 ) -> dict[str, Any]:
+    """A slice as the EndpointSlice controller writes it: the Service's labels, the
+    service-name label, and the Service as controller."""
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "labels": {SERVICE_NAME_LABEL: service, LABEL_MODEL: "m"},
+    }
+    meta["ownerReferences"] = [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "name": service,
+            "uid": service_uid or f"svc-{namespace}-{service}",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     return {
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {SERVICE_NAME_LABEL: service, LABEL_MODEL: "m"},
-        },
+        "metadata": meta,
         "addressType": "IPv4",
         "ports": ports if ports is not None else [{"name": "http", "port": 8000}],
         "endpoints": endpoints,
     }
+
+
+def _ready(address: str) -> list[dict[str, Any]]:
+    return [{"addresses": [address], "conditions": {"ready": True}}]
 
 
 def test_endpoint_slice_ready_terminating_and_not_ready() -> None:
@@ -112,7 +133,7 @@ def test_endpoint_slice_ready_terminating_and_not_ready() -> None:
         )
     )
     assert info is not None
-    assert (info.namespace, info.service) == ("ml", "llama")
+    assert (info.namespace, info.service, info.owner_uid) == ("ml", "llama", "svc-ml-llama")
     assert info.replicas == (
         ReplicaRef("http://10.0.0.1:8000"),
         ReplicaRef("http://10.0.0.2:8000"),
@@ -136,18 +157,54 @@ def test_endpoint_slice_ports_and_ipv6() -> None:
     assert no_port is not None and no_port.replicas == ()
 
 
-def test_slices_of_other_services_are_ignored() -> None:
+def test_endpoint_slice_owner_must_be_a_service_controller() -> None:
     obj = _slice("s", "svc", [])
-    del obj["metadata"]["labels"][LABEL_MODEL]
+    del obj["metadata"]["labels"][SERVICE_NAME_LABEL]
     assert parse_endpoint_slice(obj) is None
+    for ref in (
+        {"controller": False},  # an owner, not the controller
+        {"kind": "Deployment"},
+        {"apiVersion": "example.com/v1"},  # a Service of another API group
+    ):
+        obj = _slice("s", "svc", [])
+        obj["metadata"]["ownerReferences"][0].update(ref)
+        info = parse_endpoint_slice(obj)
+        assert info is not None and info.owner_uid is None, ref
 
 
-def _deployment(name: str, model: str, namespace: str = "ml", **spec: Any) -> dict[str, Any]:
+def _deployment(
+    name: str, model: str, namespace: str = "ml", uid: str | None = None, **spec: Any
+) -> dict[str, Any]:
     return {
         "apiVersion": "fleetllm.io/v1alpha1",
         "kind": "LLMDeployment",
-        "metadata": {"name": name, "namespace": namespace},
+        "metadata": {"name": name, "namespace": namespace, "uid": uid or f"ld-{namespace}-{name}"},
         "spec": {"model": {"name": model, "source": "builtin://smollm2-135m"}, **spec},
+    }
+
+
+def _service(
+    name: str, namespace: str = "ml", owner_uid: str | None = None, uid: str | None = None
+) -> dict[str, Any]:
+    """A Service as the operator renders it: controlled by its LLMDeployment."""
+    refs = [
+        {
+            "apiVersion": "fleetllm.io/v1alpha1",
+            "kind": "LLMDeployment",
+            "name": name,
+            "uid": owner_uid or f"ld-{namespace}-{name}",
+            "controller": True,
+        }
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": uid or f"svc-{namespace}-{name}",
+            "ownerReferences": refs,
+        },
     }
 
 
@@ -157,48 +214,100 @@ def test_deployment_routing_and_replicas() -> None:
     )
     assert info is not None
     assert (info.namespace, info.name, info.model, info.replicas) == ("ml", "llama", "llama-3", 0)
+    assert info.uid == "ld-ml-llama"
     assert info.routing.strategy == "round-robin"
     defaults = parse_deployment(_deployment("x", "y"))
     assert defaults is not None and defaults.routing.strategy == "prefix"
     assert defaults.replicas is None
     broken = parse_deployment(_deployment("x", "y", routing={"strategy": "random"}))
     assert broken is not None and broken.routing.strategy == "prefix"
-    assert parse_deployment({"metadata": {"name": "x"}, "spec": {}}) is None
+    assert parse_deployment({"metadata": {"name": "x", "uid": "u"}, "spec": {}}) is None
 
 
-def test_build_fleet_joins_slices_to_their_deployment_by_service_name() -> None:
-    deployments = {
-        k: parse_deployment(obj)
-        for k, obj in {
-            ("ml", "llama"): _deployment("llama", "llama-3", replicas=2),
-            ("ml", "cold"): _deployment("cold", "cold-model", replicas=0),
-        }.items()
-    }
-    slices = {
-        ("ml", "a"): parse_endpoint_slice(
-            _slice("a", "llama", [{"addresses": ["10.0.0.1"], "conditions": {"ready": True}}])
-        ),
-        ("ml", "b"): parse_endpoint_slice(
-            _slice("b", "llama", [{"addresses": ["10.0.0.2"], "conditions": {"ready": True}}])
-        ),
-        # Same service name in another namespace: not this deployment's.
-        ("other", "c"): parse_endpoint_slice(
-            _slice(
-                "c",
-                "llama",
-                [{"addresses": ["10.9.0.1"], "conditions": {"ready": True}}],
-                namespace="other",
-            )
-        ),
-    }
-    fleet = build_fleet(deployments, slices)  # type: ignore[arg-type]
-    assert sorted(fleet) == ["cold-model", "llama-3"]
+def _fleet(
+    deployments: list[dict[str, Any]],
+    services: list[dict[str, Any]],
+    slices: list[dict[str, Any]],
+    *,
+    qualified: bool = False,
+    home_namespace: str | None = None,
+) -> dict[str, Any]:
+    def key(obj: dict[str, Any]) -> tuple[str, str]:
+        return (obj["metadata"]["namespace"], obj["metadata"]["name"])
+
+    return build_fleet(
+        {key(o): parse_deployment(o) for o in deployments},  # type: ignore[misc]
+        {key(o): parse_service(o) for o in services},  # type: ignore[misc]
+        {key(o): parse_endpoint_slice(o) for o in slices},  # type: ignore[misc]
+        qualified=qualified,
+        home_namespace=home_namespace,
+    )
+
+
+def test_build_fleet_follows_only_the_operators_service_and_its_slices() -> None:
+    fleet = _fleet(
+        [
+            _deployment("llama", "llama-3", replicas=2),
+            _deployment("cold", "cold-model", replicas=0),
+            _deployment("impostor", "victim"),
+        ],
+        [
+            _service("llama"),
+            # A Service with the LLMDeployment's name but not controlled by it.
+            _service("impostor", owner_uid="someone-else"),
+        ],
+        [
+            _slice("a", "llama", _ready("10.0.0.1")),
+            _slice("b", "llama", _ready("10.0.0.2")),
+            # Same Service name in another namespace: not this deployment's.
+            _slice("c", "llama", _ready("10.9.0.1"), namespace="other"),
+            # Claims the Service's name by label, but another Service controls it.
+            _slice("d", "llama", _ready("10.6.6.6"), service_uid="forged"),
+            _slice("e", "impostor", _ready("10.6.6.7")),
+        ],
+    )
+    assert sorted(fleet) == ["cold-model", "llama-3", "victim"]
     assert {r.url for r in fleet["llama-3"].replicas} == {
         "http://10.0.0.1:8000",
         "http://10.0.0.2:8000",
     }
     assert fleet["llama-3"].owner == ("ml", "llama")
+    assert fleet["llama-3"].aliases == ("ml/llama-3",)
     assert fleet["cold-model"].replicas == () and fleet["cold-model"].desired_replicas == 0
+    assert fleet["victim"].replicas == ()
+
+
+def test_all_namespaces_keys_models_by_namespace_and_aliases_only_unambiguous_names() -> None:
+    deployments = [
+        _deployment("chat", "llama", namespace="team-a"),
+        _deployment("chat", "llama", namespace="team-b"),
+        _deployment("code", "coder", namespace="team-b"),
+        _deployment("home", "shared", namespace="serving"),
+        _deployment("home", "shared", namespace="team-a"),
+    ]
+    services = [_service(d["metadata"]["name"], d["metadata"]["namespace"]) for d in deployments]
+    slices = [
+        _slice("a", "chat", _ready("10.0.0.1"), namespace="team-a"),
+        _slice("b", "chat", _ready("10.0.0.2"), namespace="team-b"),
+        _slice("c", "home", _ready("10.0.0.3"), namespace="serving"),
+    ]
+    fleet = _fleet(deployments, services, slices, qualified=True, home_namespace="serving")
+    assert sorted(fleet) == [
+        "serving/shared",
+        "team-a/llama",
+        "team-a/shared",
+        "team-b/coder",
+        "team-b/llama",
+    ]
+    # No namespace's replicas leak into another's model of the same name.
+    assert [r.url for r in fleet["team-a/llama"].replicas] == ["http://10.0.0.1:8000"]
+    assert [r.url for r in fleet["team-b/llama"].replicas] == ["http://10.0.0.2:8000"]
+    assert fleet["team-b/llama"].served_name == "llama"
+    aliases = {alias: name for name, route in fleet.items() for alias in route.aliases}
+    # Unique names alias; the home namespace wins; an ambiguous name aliases nothing.
+    assert aliases == {"coder": "team-b/coder", "shared": "serving/shared"}
+    assert "team-a/llama, team-b/llama" in missing_model_message("llama", fleet)
+    assert missing_model_message("nope", fleet) == "The model `nope` does not exist."
 
 
 @pytest.mark.asyncio

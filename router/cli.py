@@ -228,7 +228,9 @@ def _serve(args: argparse.Namespace) -> int:
         # Fail fast, with a clear message, when there are no credentials at all.
         credentials = load_credentials()
         own_namespace = credentials.namespace if credentials.in_cluster else None
-        kube = KubeClient(load_credentials, user_agent="fleetllm-router")
+        kube = KubeClient(
+            load_credentials, user_agent="fleetllm-router", field_manager="fleetllm-router"
+        )
     discovery: Discovery
     if args.discovery == "kubernetes":
         assert kube is not None

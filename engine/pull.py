@@ -514,6 +514,20 @@ def pull(source: str, folder: Path, settings: Settings | None = None) -> Path:
         return _pull_locked(source, scheme, location, revision, canonical, folder, settings)
 
 
+def _list(scheme: str, location: str, revision: str | None, settings: Settings) -> Listing:
+    try:
+        if scheme == "hf":
+            return list_hf(location, revision, settings)
+        return list_s3(location, settings)
+    except PullError:
+        raise
+    except (ValueError, KeyError, TypeError, ET.ParseError, OSError) as exc:
+        # An answer that is not the JSON or XML the API documents, or unreadable credentials.
+        raise PullError(
+            f"{scheme}://{location}: unusable answer: {type(exc).__name__}: {exc}"
+        ) from None
+
+
 def _pull_locked(
     source: str,
     scheme: str,
@@ -526,9 +540,7 @@ def _pull_locked(
     marker = _read_marker(folder)  # another pod may have finished while we waited
     started = time.monotonic()
     try:
-        listing = (
-            list_hf(location, revision, settings) if scheme == "hf" else list_s3(location, settings)
-        )
+        listing = _list(scheme, location, revision, settings)
     except PullError as exc:
         if _complete(marker, canonical):
             log.warning(

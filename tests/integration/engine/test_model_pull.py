@@ -57,6 +57,8 @@ class Hub:
     """Files served with their last byte flipped (the listed checksum stays the real one)."""
     cut_once: set[str] = field(default_factory=set)
     """Files whose first transfer breaks off halfway."""
+    broken_api: bool = False
+    """The API answers with an HTML page (a captive proxy, say)."""
     requests: list[tuple[str, dict[str, str]]] = field(default_factory=list)
     api_calls: int = 0
     url: str = ""
@@ -103,6 +105,9 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
             api = f"/api/models/{REPO}/revision/"
             if path.startswith(api):
                 hub.api_calls += 1
+                if hub.broken_api:
+                    self._send(200, b"<html>sign in</html>", {"Content-Type": "text/html"})
+                    return
                 body = {"id": REPO, "sha": COMMIT, "siblings": [hub.sibling(n) for n in hub.files]}
                 body["siblings"].append({"rfilename": "original/consolidated.pth", "size": 10})
                 self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
@@ -282,6 +287,10 @@ def test_errors_are_clear(hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     with pytest.raises(PullError, match="not an hf://"):
         pull("ftp://x/y", tmp_path / "b", FAST)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
+    hub.broken_api = True
+    with pytest.raises(PullError, match="unusable answer: JSONDecodeError"):
+        pull(f"hf://{REPO}", tmp_path / "d", FAST)
+    hub.broken_api = False
     hub.files = {"config.json": hub.files["config.json"]}
     with pytest.raises(PullError, match=r"no \*\.safetensors weights"):
         pull(f"hf://{REPO}", tmp_path / "c", FAST)

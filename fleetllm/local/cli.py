@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fleetllm.local.launch import LocalModel
+    from fleetllm.local.status import RecentEvents
 
 PORT_ENV = "FLEETLLM_PORT"
 DEFAULT_PORT = 8000
@@ -84,19 +85,28 @@ def _log_dir(args: argparse.Namespace) -> Path:
     return Path(platformdirs.user_log_dir("fleetllm")) / f"up-{stamp}-{os.getpid()}"
 
 
-def _configure_logging(level: str, log_dir: Path) -> None:
+def _configure_logging(level: str, log_dir: Path, live: bool) -> RecentEvents | None:
+    """The supervisor's JSON log on stderr; with a live view, in a file of the log folder
+    instead, with the latest events shown under the table. The router logs to a file."""
+    from fleetllm.local.status import RecentEvents
     from fleetllm.logs import JSONFormatter
 
     log_dir.mkdir(parents=True, exist_ok=True)
-    console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(JSONFormatter())
-    logging.basicConfig(level=level.upper(), handlers=[console], force=True)
-    # One line per request would bury the status view; the router keeps its own log.
+    events = RecentEvents() if live else None
+    main: logging.Handler = (
+        logging.FileHandler(log_dir / "fleetllm-up.log") if live else logging.StreamHandler()
+    )
+    main.setFormatter(JSONFormatter())
+    logging.basicConfig(
+        level=level.upper(), handlers=[main] if events is None else [main, events], force=True
+    )
+    # One line per request would bury everything else; the router keeps its own log.
     router_log = logging.FileHandler(log_dir / "router.log")
     router_log.setFormatter(JSONFormatter())
     router = logging.getLogger("fleetllm.router")
     router.handlers[:] = [router_log]
     router.propagate = False
+    return events
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -122,7 +132,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     for model in models:
         sys.stderr.write(f"{model.where}: {plan_summary(model.cr, model.plan)}")
     log_dir = _log_dir(args)
-    _configure_logging(args.log_level, log_dir)
+    events = _configure_logging(args.log_level, log_dir, live=sys.stdout.isatty())
     return asyncio.run(
         run_fleet(
             models,
@@ -131,6 +141,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             log_dir=log_dir,
             grace_s=args.shutdown_grace_period,
             gpus=gpus,
+            events=events,
         )
     )
 
@@ -143,6 +154,7 @@ async def run_fleet(
     log_dir: Path,
     grace_s: float,
     gpus: list[str],
+    events: RecentEvents | None = None,
 ) -> int:
     from aiohttp import web
 
@@ -204,7 +216,8 @@ async def run_fleet(
         "fleet starting",
         extra={"endpoint": endpoint, "models": [m.name for m in models], "logs": str(log_dir)},
     )
-    with StatusView(sys.stdout) as view:
+    title = f"fleetllm up: {endpoint}  (logs: {log_dir})"
+    with StatusView(sys.stdout, live=events is not None, events=events, title=title) as view:
 
         async def show_status() -> None:
             while True:

@@ -3,7 +3,10 @@ rich table on a terminal, or as plain lines, one per change, anywhere else (logs
 
 from __future__ import annotations
 
+import json
+import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TextIO
@@ -15,6 +18,11 @@ from rich.table import Table
 from rich.text import Text
 
 from fleetllm.local.policy import State
+from fleetllm.logs import JSONFormatter
+
+EVENT_LINES = 8
+# Fields too long for an event line (they stay in the log file).
+_LONG_FIELDS = frozenset({"log_tail", "log", "exc"})
 
 
 @dataclass(frozen=True)
@@ -91,10 +99,33 @@ def plain_line(view: ModelView) -> str:
     return "status " + " ".join(fields)
 
 
-def table(views: Sequence[ModelView]) -> RenderableType:
-    """The live view: one row per model, then a bar per model being prepared and per replica
-    loading."""
-    grid = Table(title="fleetllm up", title_justify="left", expand=True)
+class RecentEvents(logging.Handler):
+    """The last log records, one short line each, for the live view (the full JSON records
+    go to the log file)."""
+
+    def __init__(self, size: int = EVENT_LINES) -> None:
+        super().__init__()
+        self.lines: deque[str] = deque(maxlen=size)
+        self._json = JSONFormatter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        entry = json.loads(self._json.format(record))
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        fields = " ".join(
+            f"{key}={value}"
+            for key, value in entry.items()
+            if key not in ("ts", "level", "logger", "msg") and key not in _LONG_FIELDS
+        )
+        level = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()} "
+        self.lines.append(f"{stamp} {level}{entry['msg']} {fields}".rstrip())
+
+
+def table(
+    views: Sequence[ModelView], events: Sequence[str] = (), title: str = "fleetllm up"
+) -> RenderableType:
+    """The live view: one row per model, a bar per model being prepared and per replica
+    loading, then the latest events."""
+    grid = Table(title=title, title_justify="left", expand=True)
     for column in ("model", "endpoint", "ready/desired", "KV", "waiting", "queue p90"):
         grid.add_column(column, no_wrap=True)
     grid.add_column("last scale", ratio=1)
@@ -132,7 +163,12 @@ def table(views: Sequence[ModelView]) -> RenderableType:
                 )
             elif replica.state is not State.READY:
                 bars.add_row(f"{replica.name}: {replica.state}", "", f"{replica.state_s:.0f}s")
-    return Group(grid, bars) if bars.row_count else grid
+    parts: list[RenderableType] = [grid]
+    if bars.row_count:
+        parts.append(bars)
+    if events:
+        parts.append(Text("\n".join(events), style="dim", no_wrap=True, overflow="ellipsis"))
+    return Group(*parts)
 
 
 class StatusView:
@@ -140,11 +176,19 @@ class StatusView:
     model whenever that model's line changes (at most one per `min_interval_s`)."""
 
     def __init__(
-        self, stream: TextIO, *, live: bool | None = None, min_interval_s: float = 2.0
+        self,
+        stream: TextIO,
+        *,
+        live: bool | None = None,
+        min_interval_s: float = 2.0,
+        events: RecentEvents | None = None,
+        title: str = "fleetllm up",
     ) -> None:
         self.stream = stream
+        self.title = title
         self.live = stream.isatty() if live is None else live
         self.min_interval_s = min_interval_s
+        self.events = events
         self._last: dict[str, tuple[str, float]] = {}
         self._live: Live | None = None
 
@@ -162,7 +206,8 @@ class StatusView:
 
     def show(self, views: Sequence[ModelView]) -> None:
         if self._live is not None:
-            self._live.update(table(views), refresh=True)
+            events = self.events.lines if self.events is not None else ()
+            self._live.update(table(views, events, self.title), refresh=True)
             return
         now = time.monotonic()
         for view in views:

@@ -203,6 +203,7 @@ class Supervisor:
         if self.failure is None:
             self.failure = message
             log.error("the fleet cannot run", extra={"reason": message})
+        self.stopping = True  # nothing more starts
         self.failed.set()
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:

@@ -4,12 +4,16 @@ process trees (whether any of their processes is still alive)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import pty
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 import urllib.parse
@@ -79,6 +83,7 @@ class Up:
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
         port: int | None = None,
+        tty: bool = False,
     ) -> None:
         self.port = port or free_port()
         self.workdir = workdir
@@ -97,16 +102,43 @@ class Up:
             "XDG_STATE_HOME": str(workdir / "state"),
             **(env or {}),
         }
+        self._reader: threading.Thread | None = None
         with self.status_path.open("wb") as out, self.events_path.open("wb") as err:
+            stdout: Any = out
+            if tty:
+                # On a terminal the view is live and the JSON log goes to the log folder.
+                self.events_path = workdir / "logs" / "fleetllm-up.log"
+                terminal, stdout = pty.openpty()
+                fcntl.ioctl(stdout, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
             # A session of its own, as a terminal gives a command: Ctrl-C is a SIGINT to it.
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=err, env=environment, cwd=ROOT, start_new_session=True
+                cmd, stdout=stdout, stderr=err, env=environment, cwd=ROOT, start_new_session=True
             )
+            if tty:
+                os.close(stdout)
+                self._reader = threading.Thread(target=self._drain, args=(terminal,), daemon=True)
+                self._reader.start()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self._seen: list[psutil.Process] = []
 
+    def _drain(self, terminal: int) -> None:
+        """Copy what the command writes to its terminal into `status.txt`."""
+        with self.status_path.open("ab") as out:
+            while True:
+                try:
+                    data = os.read(terminal, 65536)
+                except OSError:  # the command closed its end
+                    break
+                if not data:
+                    break
+                out.write(data)
+                out.flush()
+        os.close(terminal)
+
     def events(self) -> list[dict[str, Any]]:
         found = []
+        if not self.events_path.exists():
+            return found
         for line in self.events_path.read_text(errors="replace").splitlines():
             if line.startswith("{"):
                 with contextlib.suppress(ValueError):
@@ -171,6 +203,8 @@ class Up:
             if alive(process):
                 with contextlib.suppress(psutil.Error):
                     process.kill()
+        if self._reader is not None:
+            self._reader.join(10)
 
 
 def _cmdline(process: psutil.Process) -> list[str]:

@@ -168,12 +168,22 @@ def test_a_busy_port_is_a_clear_error_before_anything_starts(
     assert not up.find("replica starting")
 
 
-def test_a_killed_supervisor_takes_every_replica_with_it(
+def test_a_killed_supervisor_takes_every_replica_with_it_and_a_terminal_gets_a_live_view(
     fixed_manifest: Callable[[int], Path], tmp_path: Path
 ) -> None:
-    up = Up(["-f", str(fixed_manifest(2))], tmp_path / "up")
+    # On a terminal, so that the live view runs too.
+    up = Up(["-f", str(fixed_manifest(2))], tmp_path / "up", tty=True)
     try:
         up.wait_for("replica ready", count=2, guard_s=180)
+        wait_until(
+            lambda: (
+                "ready model=tiny-chat replica=tiny-1"
+                in up.status_path.read_text("utf-8", "replace")
+            ),
+            "the live view shows the events",
+        )
+        screen = up.status_path.read_text(errors="replace")
+        assert "ready/desired" in screen and f"http://localhost:{up.port}/v1" in screen
         tree = snapshot(p.pid for p in up.tree())
         assert len(up.engines()) == 2 and len(tree) >= 4
         assert up.stop(signal.SIGKILL) == -signal.SIGKILL

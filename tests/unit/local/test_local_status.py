@@ -4,11 +4,19 @@ live table with bars while a model is prepared or a replica loads."""
 from __future__ import annotations
 
 import io
+import logging
 
 from rich.console import Console
 
 from fleetllm.local.policy import State
-from fleetllm.local.status import ModelView, ReplicaView, StatusView, plain_line, table
+from fleetllm.local.status import (
+    ModelView,
+    RecentEvents,
+    ReplicaView,
+    StatusView,
+    plain_line,
+    table,
+)
 
 
 def _view(**changes: object) -> ModelView:
@@ -83,3 +91,32 @@ def test_live_table_shows_the_figures_and_progress_bars() -> None:
     console.print(table([_view(preparing=(3 * 2**20, 270 * 2**20, "bytes"))]))
     text = console.export_text()
     assert "tiny: downloading the weights" in text and "3/270 MiB" in text
+
+
+def test_the_live_view_lists_the_latest_events_without_their_long_fields() -> None:
+    events = RecentEvents(size=2)
+    log = logging.getLogger("test.local-status")
+    log.propagate = False
+    log.addHandler(events)
+    log.setLevel(logging.INFO)
+    log.info("replica starting", extra={"replica": "tiny-0"})
+    log.warning(
+        "replica exited; restarting",
+        extra={"replica": "tiny-0", "exit": "exit 1", "log_tail": ["Traceback"], "api_key": "k"},
+    )
+    log.info("replica ready", extra={"replica": "tiny-0"})
+    assert len(events.lines) == 2
+    restarted, ready = events.lines
+    assert restarted.endswith(
+        "warning replica exited; restarting replica=tiny-0 exit=exit 1 api_key=[redacted]"
+    )
+    assert "Traceback" not in restarted
+    assert ready.endswith(" replica ready replica=tiny-0")
+
+    out = io.StringIO()
+    view = StatusView(out, live=True, events=events, title="fleetllm up: http://x/v1")
+    with view:
+        view.show([_view()])
+    text = out.getvalue()
+    assert "fleetllm up: http://x/v1" in text and "ready/desired" in text
+    assert "replica ready replica=tiny-0" in text

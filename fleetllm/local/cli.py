@@ -132,7 +132,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     for model in models:
         sys.stderr.write(f"{model.where}: {plan_summary(model.cr, model.plan)}")
     log_dir = _log_dir(args)
-    events = _configure_logging(args.log_level, log_dir, live=sys.stdout.isatty())
+    try:
+        events = _configure_logging(args.log_level, log_dir, live=sys.stdout.isatty())
+    except OSError as exc:
+        raise ValueError(f"cannot write the logs to {log_dir}: {exc.strerror or exc}") from None
     return asyncio.run(
         run_fleet(
             models,

@@ -4,8 +4,9 @@
 over `step()`. The event loop hands it add/abort commands through a locked list (applied
 between steps) and gets outputs back with `loop.call_soon_threadsafe`. When there is nothing to
 do the thread sleeps on a condition variable, so an idle server burns no CPU. Each step's
-outputs reach their `RequestStream` as one batch; outputs are cumulative, so a consumer that
-falls behind simply sees the latest state.
+outputs reach their `RequestStream` as one batch. Requests run with DELTA outputs, so every
+step costs what it generated, not what its requests generated so far; a consumer that falls
+behind gets the deltas it missed merged into one.
 
 Failure isolation: a request the engine refuses, or one that fails inside a step, fails its own
 stream only (`RequestFailedError`, or the engine's `ValueError` for invalid input) and the
@@ -25,8 +26,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fleetllm.engine.engine import EngineStats, LLMEngine
-from fleetllm.engine.request import RequestFailedError, RequestOutput
-from fleetllm.engine.sampling_params import SamplingParams
+from fleetllm.engine.request import RequestFailedError, RequestOutput, merge_deltas
+from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class EngineOverloadedError(RuntimeError):
 
 @dataclass
 class EngineRequest:
-    """One engine request: a single choice (n=1) of a single prompt."""
+    """One engine request: a single choice (n=1) of a single prompt, with DELTA outputs."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -57,15 +58,18 @@ class EngineRequest:
 class RequestStream:
     """The outputs of a group of engine requests: the n choices of one or more prompts.
 
-    Iterate `updates()` for batches of `(index, cumulative output)`; `abort()` stops whatever
-    has not finished (idempotent, safe after completion).
+    Iterate `updates()` for batches of `(index, delta)`: what each request generated since
+    the previous batch. `final()` waits for the end and returns each request's whole output.
+    `abort()` stops whatever has not finished (idempotent, safe after completion).
     """
 
     def __init__(self, owner: AsyncEngine, requests: list[EngineRequest]) -> None:
         self._owner = owner
         self.requests = requests
-        self.latest: list[RequestOutput | None] = [None] * len(requests)
-        self._dirty: dict[int, None] = {}  # insertion-ordered set of indices with news
+        # Each request's latest delta: its metrics, finish reason and cached-token count.
+        self.last: list[RequestOutput | None] = [None] * len(requests)
+        self.num_output_tokens = [0] * len(requests)
+        self._pending: dict[int, list[RequestOutput]] = {}  # deltas not yet consumed
         self._event = asyncio.Event()
         self._error: BaseException | None = None
         self._unfinished = len(requests)
@@ -82,10 +86,9 @@ class RequestStream:
 
     async def updates(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         while True:
-            if self._dirty:
-                batch = [(i, self.latest[i]) for i in self._dirty]
-                self._dirty.clear()
-                yield batch  # type: ignore[misc]
+            if self._pending:
+                pending, self._pending = self._pending, {}
+                yield [(index, merge_deltas(deltas)) for index, deltas in pending.items()]
                 continue
             if self._error is not None:
                 raise self._error
@@ -95,15 +98,19 @@ class RequestStream:
             await self._event.wait()
 
     async def final(self) -> list[RequestOutput]:
-        async for _ in self.updates():
-            pass
-        return [out for out in self.latest if out is not None]
+        """Every request's whole output (its deltas merged), in request order."""
+        deltas: list[list[RequestOutput]] = [[] for _ in self.requests]
+        async for batch in self.updates():
+            for index, delta in batch:
+                deltas[index].append(delta)
+        return [merge_deltas(d) for d in deltas if d]
 
     # -- called on the event loop by the owner --------------------------------------------
 
     def _update(self, index: int, output: RequestOutput) -> None:
-        self.latest[index] = output
-        self._dirty[index] = None
+        self._pending.setdefault(index, []).append(output)
+        self.last[index] = output
+        self.num_output_tokens[index] += len(output.outputs[0].token_ids)
         if output.finished:
             self._unfinished -= 1
         self._event.set()
@@ -197,6 +204,8 @@ class AsyncEngine:
 
     def submit(self, requests: list[EngineRequest]) -> RequestStream:
         """Queue requests in the engine; their outputs arrive on the returned stream."""
+        if any(r.params.output_kind is not RequestOutputKind.DELTA for r in requests):
+            raise ValueError("requests submitted to the async engine must use DELTA outputs")
         if self.error is not None:
             raise EngineDeadError(f"the engine has failed: {self.error}")
         if not self.ready.is_set() or self._stopping:

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fleetllm.engine.block_manager import NULL_BLOCK
-
 
 @dataclass
 class PrefillChunk:
@@ -36,38 +34,36 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     num_decodes: int  # the first num_decodes tokens are decodes
     decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] block ids, padded
+    decode_context_lens: torch.Tensor | None  # [num_decodes] tokens in each context
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
 
 
 def build_metadata(
     block_size: int,
-    decodes: list[tuple[list[int], int]],
-    prefills: list[tuple[list[int], int, int]],
+    decodes: list[tuple[torch.Tensor, int]],
+    prefills: list[tuple[torch.Tensor, int, int]],
     device: torch.device,
 ) -> AttentionMetadata:
-    """Describe a step's batch.
+    """Describe a step's batch. Block tables are rows of block ids (on the CPU), covering at
+    least the step's context and padded with the null block.
 
-    decodes:  (block_table, context_len) per decode, in batch order.
-    prefills: (block_table, num_computed_before, query_len) per chunk, in batch order after the
+    decodes:  (block table, context_len) per decode, in batch order.
+    prefills: (block table, num_computed_before, query_len) per chunk, in batch order after the
               decodes.
     """
     slot_mapping: list[torch.Tensor] = []
-    decode_tables = decode_mask = None
+    decode_tables = decode_lens = decode_mask = None
     if decodes:
         lens = [ctx for _, ctx in decodes]
         max_blocks = -(-max(lens) // block_size)
         # Rows are padded with the null block; every position past a sequence's context is
         # masked, and reads only finite values (zeros or an earlier request's K/V).
-        decode_tables = torch.tensor(
-            [table[:max_blocks] + [NULL_BLOCK] * (max_blocks - len(table)) for table, _ in decodes],
-            dtype=torch.long,
-            device=device,
-        )
-        lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+        decode_tables = torch.stack([table[:max_blocks] for table, _ in decodes]).to(device)
+        decode_lens = torch.tensor(lens, dtype=torch.long, device=device)
         positions = torch.arange(max_blocks * block_size, device=device)
-        decode_mask = (positions[None, :] < lens_t[:, None])[:, None, None, :]
-        last = lens_t - 1
+        decode_mask = (positions[None, :] < decode_lens[:, None])[:, None, None, :]
+        last = decode_lens - 1
         slot_mapping.append(
             decode_tables.gather(1, (last // block_size)[:, None]).view(-1) * block_size
             + last % block_size
@@ -76,7 +72,7 @@ def build_metadata(
     start = len(decodes)
     for table, computed, qlen in prefills:
         ctx = computed + qlen
-        table_t = torch.tensor(table[: -(-ctx // block_size)], dtype=torch.long, device=device)
+        table_t = table[: -(-ctx // block_size)].to(device)
         slots = _table_slots(table_t[None, :], block_size)[0, :ctx]
         slot_mapping.append(slots[computed:])
         if computed == 0:
@@ -92,6 +88,7 @@ def build_metadata(
         slot_mapping=torch.cat(slot_mapping),
         num_decodes=len(decodes),
         decode_tables=decode_tables,
+        decode_context_lens=decode_lens,
         decode_mask=decode_mask,
         prefills=chunks,
     )

@@ -131,6 +131,7 @@ class BlockPool:
 class _RequestBlocks:
     root: BlockHash = _UNSALTED_ROOT
     blocks: list[Block] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # the ids of `blocks`
     hashes: list[BlockHash] = field(default_factory=list)  # of the request's full blocks
     num_registered: int = 0  # leading blocks already offered to the prefix cache
 
@@ -161,7 +162,9 @@ class KVCacheManager:
         return fresh
 
     def block_table(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._requests[request_id].blocks]
+        """The request's block ids: a live list, extended in place as the request gains
+        blocks (a new list once it is freed and allocated again); callers only read it."""
+        return self._requests[request_id].block_ids
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -212,6 +215,7 @@ class KVCacheManager:
             entry.blocks.extend(cached_prefix)
         if need_new:
             entry.blocks.extend(self.pool.allocate(need_new))
+        entry.block_ids.extend(b.block_id for b in entry.blocks[len(entry.block_ids) :])
         return True
 
     def cache_full_blocks(

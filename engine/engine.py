@@ -22,9 +22,10 @@ from fleetllm.engine.loader import load_model
 from fleetllm.engine.model_files import resolve_model
 from fleetllm.engine.model_runner import ModelRunner
 from fleetllm.engine.request import Request, RequestOutput
-from fleetllm.engine.sampler import SamplingRow, sample
+from fleetllm.engine.sampler import SamplingRow, TokenCounts, sample
 from fleetllm.engine.sampling_params import SamplingParams
 from fleetllm.engine.scheduler import ScheduledRequest, Scheduler
+from fleetllm.engine.stop_strings import StopStringMatcher
 from fleetllm.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,14 @@ class EngineStats:
     num_kv_blocks: int
     block_size: int
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+
+
+@dataclass
+class _OutputText:
+    """A request's text in the making: its detokenizer and, with stop strings, their matcher."""
+
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher | None
 
 
 class LLMEngine:
@@ -81,11 +90,13 @@ class LLMEngine:
                 f"{self.max_model_len}: give it more blocks or lower max_model_len"
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, cfg, self.kv, self.dtype, self.device)
+        self.runner = ModelRunner(
+            self.model, cfg, self.kv, self.dtype, self.device, self.max_model_len
+        )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._texts: dict[str, _OutputText] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished: Counter[str] = Counter()
@@ -129,23 +140,30 @@ class LLMEngine:
             request_id, text, token_ids, params, self.eos_token_ids, arrival_time, cache_salt
         )
         if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
+            self._texts[request_id] = _OutputText(
+                IncrementalDetokenizer(
+                    self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
+                ),
+                StopStringMatcher(params.stop, params.include_stop_str_in_output)  # type: ignore[arg-type]
+                if params.stop
+                else None,
             )
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request and free its blocks; unknown or finished ids are ignored."""
+        """Stop a request and free its blocks; unknown or finished ids are ignored. Returns
+        its final output (in its output kind; text still held back for stop strings is not
+        released)."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self._detokenizers.pop(request_id, None)
+        self._texts.pop(request_id, None)
         self.scheduler.abort(req)
         req.finish("abort")
         self._finished["abort"] += 1
-        return req.to_output()
+        return req.take_output()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -185,7 +203,8 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns the requests that gained tokens (or finished) in it.
+        """One iteration; returns an output for each request that gained tokens or finished
+        in it, in the request's output kind (FINAL_ONLY requests only when they finish).
 
         An exception raised for one request fails that request alone (finish reason "error",
         its blocks freed) and the step goes on for the others. An exception that escapes is an
@@ -210,6 +229,7 @@ class LLMEngine:
                     s.request.output_token_ids,
                     s.request.stop_token_ids,
                     s.request.generator,
+                    self._token_counts(s.request) if s.request.params.has_penalties else None,
                 )
                 for s in sampled
             ]
@@ -227,11 +247,13 @@ class LLMEngine:
                     continue
                 if req.finished:
                     finished.append(req)
-                outputs.append(req.to_output())
+                output = req.take_output()
+                if output is not None:
+                    outputs.append(output)
         self.scheduler.remove_finished(finished)
         for req in finished:
             del self.requests[req.request_id]
-            self._detokenizers.pop(req.request_id, None)
+            self._texts.pop(req.request_id, None)
             self._finished[req.finish_reason or "stop"] += 1
         for request_id, exc in failures.items():
             outputs.append(self._fail_request(self.requests[request_id], exc))
@@ -273,11 +295,12 @@ class LLMEngine:
             exc_info=(type(exc), exc, exc.__traceback__),
         )
         del self.requests[req.request_id]
-        self._detokenizers.pop(req.request_id, None)
+        self._texts.pop(req.request_id, None)
         self.scheduler.abort(req)  # frees its blocks
         req.finish("error")
         self._finished["error"] += 1
-        out = req.to_output()
+        out = req.take_output()
+        assert out is not None  # a finished request always has one
         out.error = f"generation failed for this request: {type(exc).__name__}: {exc}"
         return out
 
@@ -294,7 +317,16 @@ class LLMEngine:
                 f"the last error: {type(last).__name__}: {last}"
             ) from last
 
+    def _token_counts(self, req: Request) -> TokenCounts:
+        if req.token_counts is None:
+            req.token_counts = TokenCounts(
+                self.model_config.vocab_size, req.prompt_token_ids, req.output_token_ids
+            )
+        return req.token_counts
+
     def _append_token(self, req: Request, token_id: int, lp: object) -> None:
+        """Add one generated token: its logprobs, its text, and whether it ends the request.
+        Costs the same whatever the length of the output so far."""
         now = time.monotonic()
         req.append_token(token_id)
         self._generation_tokens += 1
@@ -308,51 +340,37 @@ class LLMEngine:
             req.cumulative_logprob += token_lp
 
         p = req.params
-        detok = self._detokenizers.get(req.request_id)
-        new_chars = len(detok.add(token_id)) if detok else 0
-        full_text = detok.text if detok else ""
         n_out = len(req.output_token_ids)
-        final_text = None
         if n_out >= p.min_tokens:
             if token_id in req.eos_token_ids:
                 req.finish("stop")
             elif token_id in req.user_stop_token_ids:
                 req.finish("stop", token_id)
-            elif p.stop:
-                final_text = self._match_stop_string(req, full_text, new_chars)
+        text = self._texts.get(req.request_id)
+        if text is None:
+            released = ""
+            matched = False
+        else:
+            released = text.detokenizer.add(token_id)
+            matched = False
+            if text.stops is not None:
+                check = n_out >= p.min_tokens and not req.finished
+                released, stop = text.stops.add(released, check)
+                if stop is not None:
+                    req.finish("stop", stop)
+                    matched = True
         if not req.finished and (
             (p.max_tokens is not None and n_out >= p.max_tokens)
             or req.num_tokens >= self.max_model_len
         ):
             req.finish("length")
-        if req.finished:
-            if final_text is None and detok is not None:
-                detok.finish()  # release a trailing partial character, as a full decode would
-                final_text = detok.text
-            req.output_text = full_text if final_text is None else final_text
-        elif p.stop and not p.include_stop_str_in_output:
-            # Hold back a tail that could still grow into a stop string, so released text
-            # never has to be taken back.
-            hold = max(len(s) for s in p.stop) - 1  # type: ignore[union-attr]
-            visible = full_text[: max(len(full_text) - hold, 0)]
-            if len(visible) > len(req.output_text):
-                req.output_text = visible
-        else:
-            req.output_text = full_text
-
-    @staticmethod
-    def _match_stop_string(req: Request, text: str, new_chars: int) -> str | None:
-        """Finish the request at the earliest stop string completed by the new text."""
-        best: tuple[int, str] | None = None
-        for stop in req.params.stop or ():
-            idx = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
-            return None
-        idx, stop = best
-        req.finish("stop", stop)
-        return text[: idx + len(stop)] if req.params.include_stop_str_in_output else text[:idx]
+        if req.finished and text is not None and not matched:
+            # Release what was held back for stop strings, and a trailing partial character
+            # (as a full decode renders it).
+            if text.stops is not None:
+                released += text.stops.flush()
+            released += text.detokenizer.finish()
+        req.release_text(released)
 
     # -- stats and sizing -----------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from tqdm import tqdm
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.request import RequestOutput
-from fleetllm.engine.sampling_params import SamplingParams
+from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from fleetllm.engine.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -92,7 +92,9 @@ class LLM:
         try:
             for prompt, params in zip(prompt_list, params_list, strict=True):
                 ids = []
-                for child in child_params(params):
+                # Only the end result is wanted: no output is built before it.
+                final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                for child in child_params(final_only):
                     request_id = str(next(self._ids))
                     self.engine.add_request(request_id, prompt, child)
                     ids.append(request_id)

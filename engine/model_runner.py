@@ -3,6 +3,7 @@ metadata, owns the KV cache tensors, and returns the logits of the rows to sampl
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,33 @@ from fleetllm.engine.block_manager import NULL_BLOCK, KVCacheManager
 from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.model import LlamaForCausalLM
 from fleetllm.engine.scheduler import ScheduledRequest
+
+
+class BlockTables:
+    """The block tables of the requests in flight, each a row of block ids (a tensor padded
+    with the null block), extended each step by only the blocks its request gained."""
+
+    def __init__(self, kv: KVCacheManager, width: int) -> None:
+        self.kv = kv
+        self.width = width  # blocks of the longest sequence
+        # request id -> (the block manager's live id list, row, ids written to the row)
+        self._rows: dict[str, tuple[list[int], torch.Tensor, int]] = {}
+
+    def row(self, request_id: str) -> torch.Tensor:
+        ids = self.kv.block_table(request_id)
+        entry = self._rows.get(request_id)
+        if entry is None or entry[0] is not ids:  # new, or freed and allocated again
+            entry = (ids, torch.full((self.width,), NULL_BLOCK, dtype=torch.long), 0)
+        _, row, written = entry
+        if len(ids) > written:
+            row[written : len(ids)] = torch.tensor(ids[written:], dtype=torch.long)
+            entry = (ids, row, len(ids))
+        self._rows[request_id] = entry
+        return row
+
+    def retain(self, request_ids: Iterable[str]) -> None:
+        """Forget every row but these (the requests of the current step)."""
+        self._rows = {rid: self._rows[rid] for rid in request_ids if rid in self._rows}
 
 
 @dataclass
@@ -31,10 +59,12 @@ class ModelRunner:
         kv: KVCacheManager,
         dtype: torch.dtype,
         device: torch.device,
+        max_model_len: int,
     ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
+        self.block_tables = BlockTables(kv, kv.blocks_needed(max_model_len))
         # One extra block for the null block (id 0). The pool starts uninitialised, so the
         # operating system commits its memory only as blocks come into use; each block is
         # zeroed on its first use (see BlockPool), the null block right away.
@@ -76,15 +106,16 @@ class ModelRunner:
             if s.samples:
                 logits_indices.append(len(ids) - 1)
                 sampled.append(s)
+        tables = self.block_tables
         md = build_metadata(
             self.kv.block_size,
             [
-                (self.kv.block_table(s.request.request_id), s.request.num_computed_tokens + 1)
+                (tables.row(s.request.request_id), s.request.num_computed_tokens + 1)
                 for s in decodes
             ],
             [
                 (
-                    self.kv.block_table(s.request.request_id),
+                    tables.row(s.request.request_id),
                     s.request.num_computed_tokens,
                     s.num_new_tokens,
                 )
@@ -92,6 +123,7 @@ class ModelRunner:
             ],
             self.device,
         )
+        tables.retain(s.request.request_id for s in batch)
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),

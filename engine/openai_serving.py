@@ -5,9 +5,9 @@ thread, off the event loop), so length errors carry vLLM's wording and a bad req
 reaches the engine: everything that needs the loaded model (token ids against the vocabulary,
 lengths against the context, the per-request work caps) is checked before submitting. n>1 and
 multi-prompt requests fan out into one engine request per choice; their outputs arrive on one
-stream and are turned into OpenAI responses or SSE chunks by computing deltas from the engine's
-cumulative outputs. A request the engine fails answers 500 (or ends its stream with an error
-event); the engine goes on serving the others.
+stream as deltas (what each choice generated since its previous output), which become SSE
+chunks as they are, or are merged into the whole response. A request the engine fails answers
+500 (or ends its stream with an error event); the engine goes on serving the others.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from fleetllm.engine.async_engine import (
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.llm import child_params
 from fleetllm.engine.protocol import ChatCompletionRequest, CompletionRequest, from_value_error
-from fleetllm.engine.request import Logprob, RequestFailedError, RequestOutput
-from fleetllm.engine.sampling_params import SamplingParams
+from fleetllm.engine.request import CompletionOutput, Logprob, RequestFailedError, RequestOutput
+from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from fleetllm.engine.tokenizer import Tokenizer
 from fleetllm.errors import APIError, bad_request
 
@@ -83,14 +83,17 @@ class _Job:
     status: int | str = 200
     logged: bool = False
     client_request_id: str | None = None  # the caller's X-Request-Id, for correlating logs
+    # Each choice's text as streamed, kept only when request texts are logged.
+    streamed_text: list[list[str]] | None = None
 
     @property
-    def outputs(self) -> list[RequestOutput]:
-        return [o for o in self.stream.latest if o is not None] if self.stream else []
+    def last_outputs(self) -> list[RequestOutput]:
+        """Each choice's latest output, for its metadata (metrics, finish reason)."""
+        return [o for o in self.stream.last if o is not None] if self.stream else []
 
     def usage(self) -> dict[str, int]:
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        completion = sum(len(o.outputs[0].token_ids) for o in self.outputs)
+        completion = sum(self.stream.num_output_tokens) if self.stream else 0
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -291,6 +294,7 @@ class OpenAIServing:
                 min_tokens=req.min_tokens,
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                output_kind=RequestOutputKind.DELTA,
                 **kwargs,
             )
         except ValueError as exc:
@@ -348,6 +352,8 @@ class OpenAIServing:
             job.stream = self.engine.submit(requests)
         except (EngineOverloadedError, EngineNotReadyError, EngineDeadError) as exc:
             raise APIError(503, str(exc)) from None
+        if self.log_requests_text:
+            job.streamed_text = [[] for _ in requests]
         self.num_active += 1
 
     # -- completions ------------------------------------------------------------------------
@@ -415,34 +421,30 @@ class OpenAIServing:
 
     async def _completion_events(self, job: _Job, req: CompletionRequest) -> AsyncIterator[str]:
         n_choices = len(job.prompts) * job.n
-        sent_chars = [0] * n_choices
-        sent_tokens = [0] * n_choices
         offsets = [0] * n_choices
         started = [False] * n_choices
+        held = [_Held() for _ in range(n_choices)]
         assert job.stream is not None
         try:
             async for batch in job.stream.updates():
                 for index, out in batch:
                     c = out.outputs[0]
-                    delta = c.text[sent_chars[index] :]
-                    sent_chars[index] = len(c.text)
+                    text = c.text
                     if req.echo and not started[index]:
-                        delta = self._prompt_text(job.prompts[index // job.n]) + delta
+                        text = self._prompt_text(job.prompts[index // job.n]) + text
                     started[index] = True
-                    new_ids = c.token_ids[sent_tokens[index] :]
                     finish = c.finish_reason if out.finished else None
-                    if not delta and finish is None and not (c.logprobs and new_ids):
+                    new_ids, new_logprobs = held[index].take(c, emit=bool(text or finish))
+                    if new_ids is None:
                         continue
+                    self._keep_text(job, index, c.text)
                     logprobs = None
-                    if c.logprobs is not None:
-                        logprobs = self._completion_logprobs(
-                            new_ids, c.logprobs[sent_tokens[index] :], offsets[index]
-                        )
+                    if new_logprobs is not None:
+                        logprobs = self._completion_logprobs(new_ids, new_logprobs, offsets[index])
                         offsets[index] += sum(len(t) for t in logprobs["tokens"])
-                    sent_tokens[index] = len(c.token_ids)
                     choice = {
                         "index": index,
-                        "text": delta,
+                        "text": text,
                         "logprobs": logprobs,
                         "finish_reason": finish,
                         "stop_reason": c.stop_reason if finish else None,
@@ -455,6 +457,10 @@ class OpenAIServing:
         except Exception as exc:
             yield _sse(self._stream_error(job, exc))
         yield "data: [DONE]\n\n"
+
+    def _keep_text(self, job: _Job, index: int, text: str) -> None:
+        if job.streamed_text is not None and text:
+            job.streamed_text[index].append(text)
 
     def _completion_logprobs(
         self,
@@ -544,8 +550,7 @@ class OpenAIServing:
 
     async def _chat_events(self, job: _Job, req: ChatCompletionRequest) -> AsyncIterator[str]:
         top_n = req.top_logprobs or 0
-        sent_chars = [0] * job.n
-        sent_tokens = [0] * job.n
+        held = [_Held() for _ in range(job.n)]
         assert job.stream is not None
         try:
             for index in range(job.n):
@@ -559,21 +564,17 @@ class OpenAIServing:
             async for batch in job.stream.updates():
                 for index, out in batch:
                     c = out.outputs[0]
-                    delta = c.text[sent_chars[index] :]
-                    sent_chars[index] = len(c.text)
-                    new_ids = c.token_ids[sent_tokens[index] :]
                     finish = c.finish_reason if out.finished else None
-                    if not delta and finish is None and not (c.logprobs and new_ids):
+                    new_ids, new_logprobs = held[index].take(c, emit=bool(c.text or finish))
+                    if new_ids is None:
                         continue
+                    self._keep_text(job, index, c.text)
                     logprobs = None
-                    if c.logprobs is not None:
-                        logprobs = self._chat_logprobs(
-                            new_ids, c.logprobs[sent_tokens[index] :], top_n
-                        )
-                    sent_tokens[index] = len(c.token_ids)
+                    if new_logprobs is not None:
+                        logprobs = self._chat_logprobs(new_ids, new_logprobs, top_n)
                     choice = {
                         "index": index,
-                        "delta": {"content": delta} if delta else {},
+                        "delta": {"content": c.text} if c.text else {},
                         "logprobs": logprobs,
                         "finish_reason": finish,
                         "stop_reason": c.stop_reason if finish else None,
@@ -655,11 +656,14 @@ class OpenAIServing:
             )
             if result in done:
                 try:
-                    return result.result()
+                    outputs = result.result()
                 except (ValueError, RequestFailedError, EngineDeadError) as exc:
                     error = _engine_error(exc)
                     job.status = error.status
                     raise error from None
+                for index, out in enumerate(outputs):
+                    self._keep_text(job, index, out.outputs[0].text)
+                return outputs
             job.status = CLIENT_CLOSED
             return None
         finally:
@@ -682,7 +686,7 @@ class OpenAIServing:
 
     def _log(self, job: _Job) -> None:
         now = time.monotonic()
-        outputs = job.outputs
+        outputs = job.last_outputs
         m = outputs[0].metrics if outputs else None
         usage = job.usage()
         record: dict[str, Any] = {
@@ -703,8 +707,33 @@ class OpenAIServing:
             record["client_request_id"] = job.client_request_id
         if self.log_requests_text:
             record["prompts"] = [self._prompt_text(p) for p in job.prompts]
-            record["completions"] = [o.outputs[0].text for o in outputs]
+            record["completions"] = ["".join(parts) for parts in job.streamed_text or ()]
         log.info("request finished", extra=record)
+
+
+class _Held:
+    """A streamed choice's tokens not yet sent: a delta without text (held back, or an
+    unfinished character) waits for the next chunk, unless it carries logprobs."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] = []
+
+    def take(
+        self, c: CompletionOutput, emit: bool
+    ) -> tuple[list[int] | None, list[dict[int, Logprob]] | None]:
+        """The tokens (and logprobs) the next chunk carries, held ones first; (None, None)
+        when this delta is held instead."""
+        self.token_ids += c.token_ids
+        if c.logprobs is not None:
+            self.logprobs += c.logprobs
+        if not (emit or (c.logprobs and c.token_ids)):
+            return None, None
+        ids, self.token_ids = self.token_ids, []
+        logprobs: list[dict[int, Logprob]] | None = None
+        if c.logprobs is not None:
+            logprobs, self.logprobs = self.logprobs, []
+        return ids, logprobs
 
 
 class _SSEResponse(StreamingResponse):

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from fleetllm.engine.sampling_params import SamplingParams
+from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from fleetllm.engine.sampler import TokenCounts
 
 
 class RequestFailedError(RuntimeError):
@@ -95,7 +101,11 @@ class Request:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
-        self.output_text = ""  # text released to the caller so far
+        self.token_counts: TokenCounts | None = None  # for penalties, built on first use
+        # Text released to the caller, in pieces: since the previous output for DELTA
+        # requests, all of it otherwise (joined, and collapsed to one piece, per output).
+        self._text_parts: list[str] = []
+        self._num_sent_tokens = 0  # output tokens already handed out (DELTA)
         self.metrics = RequestMetrics(arrival_time or time.monotonic())
 
     @property
@@ -113,6 +123,8 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.token_counts is not None:
+            self.token_counts.add(token_id)
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED
@@ -120,13 +132,37 @@ class Request:
         self.stop_reason = stop_reason
         self.metrics.finished_time = time.monotonic()
 
-    def to_output(self) -> RequestOutput:
+    def release_text(self, text: str) -> None:
+        if text:
+            self._text_parts.append(text)
+
+    def take_output(self) -> RequestOutput | None:
+        """This step's output in the request's output kind; None when there is nothing to
+        hand out (FINAL_ONLY before the end). A DELTA output costs what is new since the
+        previous one, whatever the length of the output so far."""
+        kind = self.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        text = "".join(self._text_parts)
+        if kind is RequestOutputKind.DELTA:
+            start = self._num_sent_tokens
+            self._num_sent_tokens = len(self.output_token_ids)
+            self._text_parts.clear()
+            token_ids = self.output_token_ids[start:]
+            logprobs = self.logprobs[start:] if self.logprobs is not None else None
+        else:
+            self._text_parts[:] = [text] if text else []
+            # A finished request is never appended to again: its lists can be handed over.
+            token_ids = self.output_token_ids if self.finished else list(self.output_token_ids)
+            logprobs = self.logprobs
+            if logprobs is not None and not self.finished:
+                logprobs = list(logprobs)
         completion = CompletionOutput(
             index=0,
-            text=self.output_text,
-            token_ids=list(self.output_token_ids),
+            text=text,
+            token_ids=token_ids,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            logprobs=logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -139,3 +175,23 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
         )
+
+
+def merge_deltas(deltas: Sequence[RequestOutput]) -> RequestOutput:
+    """One request's consecutive DELTA outputs as one delta (or, given all of them, as the
+    whole output), in time proportional to their total size."""
+    last = deltas[-1]
+    if len(deltas) == 1:
+        return last
+    parts = [d.outputs[0] for d in deltas]
+    token_ids = [t for c in parts for t in c.token_ids]
+    logprobs = None
+    if last.outputs[0].logprobs is not None:
+        logprobs = [entry for c in parts for entry in c.logprobs or ()]
+    completion = dataclasses.replace(
+        last.outputs[0],
+        text="".join(c.text for c in parts),
+        token_ids=token_ids,
+        logprobs=logprobs,
+    )
+    return dataclasses.replace(last, outputs=[completion])

@@ -21,6 +21,21 @@ from fleetllm.engine.request import Logprob
 from fleetllm.engine.sampling_params import SamplingParams
 
 
+class TokenCounts:
+    """A request's token counts over the vocabulary, for penalties: built once, then updated
+    per generated token, so a step never passes over the whole output."""
+
+    def __init__(self, vocab: int, prompt: Sequence[int], output: Sequence[int]) -> None:
+        out = torch.tensor(list(output), dtype=torch.long)
+        self.output = torch.bincount(out, minlength=vocab)[:vocab].to(torch.float32)
+        self.seen = self.output > 0  # in the prompt or the output
+        self.seen[torch.tensor(list(prompt), dtype=torch.long)] = True
+
+    def add(self, token_id: int) -> None:
+        self.output[token_id] += 1
+        self.seen[token_id] = True
+
+
 @dataclass
 class SamplingRow:
     """What the sampler needs to know about one request."""
@@ -30,6 +45,8 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     stop_token_ids: frozenset[int]  # masked while fewer than min_tokens were generated
     generator: torch.Generator | None
+    # The request's running counts when it has penalties (built from the token lists if not).
+    counts: TokenCounts | None = None
 
 
 @dataclass
@@ -61,14 +78,12 @@ def _penalize(logits: torch.Tensor, i: int, row: SamplingRow) -> None:
     if not p.has_penalties:
         return
     vocab = logits.shape[1]
-    out = torch.tensor(row.output_token_ids, dtype=torch.long)
-    counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+    tc = row.counts or TokenCounts(vocab, row.prompt_token_ids, row.output_token_ids)
+    counts = tc.output.to(logits.dtype)
     if p.repetition_penalty != 1.0:
-        seen = counts > 0
-        seen[torch.tensor(row.prompt_token_ids, dtype=torch.long)] = True
         rp = p.repetition_penalty
         penalized = torch.where(logits[i] > 0, logits[i] / rp, logits[i] * rp)
-        logits[i] = torch.where(seen, penalized, logits[i])
+        logits[i] = torch.where(tc.seen, penalized, logits[i])
     if p.frequency_penalty != 0.0:
         logits[i] -= p.frequency_penalty * counts
     if p.presence_penalty != 0.0:

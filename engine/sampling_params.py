@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -12,6 +13,14 @@ MAX_STOP_STRINGS = 64  # each one is searched for after every token
 # torch generators take a 64-bit seed; n>1 children use seed, seed+1, ..., so the top leaves room.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a request holds (vLLM's names and meanings)."""
+
+    CUMULATIVE = 0  # everything generated so far (each output copies the whole output)
+    DELTA = 1  # only what is new since the request's previous output
+    FINAL_ONLY = 2  # a single output, when the request finishes
 
 
 @dataclass
@@ -33,6 +42,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top-n logprobs returned for each sampled token
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._validate()
@@ -102,6 +112,8 @@ class SamplingParams:
             and not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS
         ):
             fail("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
         stop = self.stop
         if (
             stop is not None

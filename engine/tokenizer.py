@@ -201,7 +201,6 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
     ) -> None:
-        self.text = ""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._table = tokenizer._byte_level_table
@@ -226,7 +225,6 @@ class IncrementalDetokenizer:
         else:
             self._ids.append(token_id)
             delta = self._window_delta(final=False)
-        self.text += delta
         return delta
 
     def finish(self) -> str:
@@ -235,7 +233,6 @@ class IncrementalDetokenizer:
             delta = self._utf8.decode(b"", final=True)
         else:
             delta = self._window_delta(final=True)
-        self.text += delta
         return delta
 
     def _window_delta(self, *, final: bool) -> str:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from fleetllm.engine import cpu_features
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -128,16 +130,38 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
-def resolve_dtype(name: str, model: ModelConfig) -> torch.dtype:
-    """`auto` takes the checkpoint's dtype, with float32 checkpoints served in bfloat16 the way
-    released checkpoints are trained; an explicit name is taken as given."""
-    if name == "auto":
-        declared = (model.torch_dtype or "bfloat16").replace("torch.", "")
-        dtype = DTYPES.get(declared, torch.bfloat16)
-        return torch.bfloat16 if dtype == torch.float32 else dtype
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not supported; use auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype to run in, and why. An explicit name is taken as given. `auto` picks the
+    fastest dtype the device computes natively:
+
+    - on the CPU, bfloat16 where its matrix units take bfloat16 operands (AVX512-BF16, AMX),
+      else float32, whatever the checkpoint's dtype: elsewhere every bfloat16 or float16
+      matmul converts its operands to float32 and runs several times slower than float32;
+    - on a GPU, the checkpoint's dtype, float32 checkpoints served in bfloat16 the way released
+      checkpoints are trained, and float16 where the device has no bfloat16.
+    """
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"dtype {name!r} is not supported; use auto, {', '.join(DTYPES)}")
+        return DTYPES[name], "as configured"
+    if device.type == "cpu":
+        flags = cpu_features.describe()
+        if cpu_features.native_bf16():
+            return torch.bfloat16, f"the CPU computes bfloat16 natively ({flags})"
+        return torch.float32, f"the CPU has no native bfloat16 ({flags})"
+    declared = (model.torch_dtype or "bfloat16").replace("torch.", "")
+    dtype = DTYPES.get(declared, torch.bfloat16)
+    if dtype == torch.float32:
+        dtype = torch.bfloat16
+    if dtype == torch.bfloat16 and not _device_has_bf16(device):
+        return torch.float16, "the checkpoint's dtype; the device has no bfloat16"
+    return dtype, "the checkpoint's dtype"
+
+
+def _device_has_bf16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    return True
 
 
 @dataclass

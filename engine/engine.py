@@ -71,7 +71,15 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         cfg = self.model_config
-        self.dtype = resolve_dtype(config.dtype, cfg)
+        self.dtype, why = resolve_dtype(config.dtype, cfg, self.device)
+        log.info(
+            "dtype chosen",
+            extra={
+                "requested": config.dtype,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "reason": why,
+            },
+        )
         self.max_model_len = self._max_model_len(config.max_model_len, cfg)
         self.tokenizer: Tokenizer | None = None
         if not config.skip_tokenizer_init:

@@ -48,6 +48,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         "karpenter (karpenter.k8s.aws/instance-gpu-name)",
     )
     g.add_argument(
+        "--cpu-bf16",
+        action="store_true",
+        help="the nodes of cpu replicas compute bfloat16 natively (AVX512-BF16 or AMX): "
+        "plan dtype auto in bfloat16 there (default: float32)",
+    )
+    g.add_argument(
         "--model-cache-claim",
         metavar="CLAIM",
         help="a ReadWriteMany PVC (in each model's namespace) that keeps downloaded weights: "
@@ -65,11 +71,12 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     if claim is None:
         if args.model_cache_read_only:
             raise ValueError("--model-cache-read-only needs --model-cache-claim")
-        return OperatorConfig(gpu_profile=args.gpu_profile)
+        return OperatorConfig(gpu_profile=args.gpu_profile, cpu_bf16=args.cpu_bf16)
     if not re.match(NAME_PATTERN, claim) or len(claim) > 253:
         raise ValueError(f"--model-cache-claim {claim!r} is not a valid claim name")
     return OperatorConfig(
         gpu_profile=args.gpu_profile,
+        cpu_bf16=args.cpu_bf16,
         model_cache=ModelCache(claim, read_only=args.model_cache_read_only),
     )
 

@@ -26,6 +26,9 @@ class OperatorConfig:
     gpu.nodeSelectorProfile overrides it."""
     model_cache: ModelCache | None = None
     """Where hf:// and s3:// weights go; None: an emptyDir per pod, pulled on every start."""
+    cpu_bf16: bool = False
+    """The nodes of cpu replicas compute bfloat16 natively (AVX512-BF16 or AMX): dtype auto
+    plans them in bfloat16, as the engine's auto picks there; otherwise in float32."""
 
     def __post_init__(self) -> None:
         if self.gpu_profile not in GPU_PROFILES:

@@ -359,7 +359,7 @@ def _nearest_tensor_sizes(arch: ModelArch, tensor: int) -> tuple[str, ...]:
     return tuple(f"parallelism.tensor: {t}" for t in sorted(sizes[:2]))
 
 
-def _resolve_dtype(spec: LLMDeploymentSpec, gpu: GPUType) -> str:
+def _resolve_dtype(spec: LLMDeploymentSpec, gpu: GPUType, cpu_bf16: bool) -> str:
     if spec.engine.dtype == "bfloat16" and gpu.is_gpu and not gpu.supports_bf16:
         raise PlanError(
             "UnsupportedDtype",
@@ -369,7 +369,7 @@ def _resolve_dtype(spec: LLMDeploymentSpec, gpu: GPUType) -> str:
         return spec.engine.dtype
     # bf16 matmuls are slow on CPUs without bf16 instructions, and Turing GPUs lack them.
     if not gpu.is_gpu:
-        return "float32"
+        return "bfloat16" if cpu_bf16 else "float32"
     return "bfloat16" if gpu.supports_bf16 else "float16"
 
 
@@ -610,7 +610,7 @@ def plan(
             f"({arch.max_position} tokens)",
         )
 
-    dtype = _resolve_dtype(spec, gpu)
+    dtype = _resolve_dtype(spec, gpu, config.cpu_bf16)
     quant = spec.quantization
     memory = _memory_bytes(spec, gpu)
     est = estimate(

@@ -1,6 +1,8 @@
-"""Acceptance 3: a replica killed under 50 concurrent requests. Requests that had received
-nothing complete on the other replicas; streams cut on the killed one end with an error event;
-the router marks the replica down, and up again once it is back."""
+"""A replica SIGKILLed under load: of 24 concurrent requests on two replicas, half of them chat
+streams, every request that had not received a token completes on the other replica (streams
+whose only event so far was the role-only opening included), the streams that had received
+tokens end with an error event, and nothing hangs. Then the router marks the replica down, and
+up again once it is back."""
 
 from __future__ import annotations
 
@@ -15,26 +17,23 @@ from router_testkit import ALPHA_MAX_SEQS, EngineFleet, metric_sum, wait_until, 
 
 GUARD = 180.0  # hang guard for the whole burst
 MAX_TOKENS = 64
-# The first requests stream, the rest do not: each replica admits its first (streaming)
-# arrivals while the later ones, of both kinds, wait in its queue.
-STREAMS = 30
+REQUESTS = 24
 
 
 async def _one(client: httpx.AsyncClient, url: str, i: int) -> dict[str, Any]:
-    body = {
-        "model": "alpha",
-        "prompt": f"Request number {i} asks the fleet about",
-        "max_tokens": MAX_TOKENS,
-        "ignore_eos": True,
-        "temperature": 0,
-    }
-    if i >= STREAMS:
-        r = await client.post(f"{url}/v1/completions", json=body)
-        return {"stream": False, "status": r.status_code, "body": r.json()}
-    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+    """Half chat streams, half plain completions, in pairs: least load alternates between
+    the two replicas, so each gets both kinds, in every wave it runs."""
+    headers = {"X-Request-Id": f"burst-{i}"}
+    common = {"model": "alpha", "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+    if i % 4 >= 2:
+        body = {**common, "prompt": f"Request number {i} asks the fleet about"}
+        r = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+        return {"i": i, "stream": False, "status": r.status_code, "body": r.json()}
+    body = {**common, "messages": [{"role": "user", "content": f"Request {i}"}], "stream": True}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
         text = (await r.aread()).decode()
     blocks = [b[6:] for b in text.split("\n\n") if b.startswith("data: ")]
-    return {"stream": True, "status": r.status_code, "blocks": blocks}
+    return {"i": i, "stream": True, "status": r.status_code, "blocks": blocks}
 
 
 def _running_with_a_queue(engine_url: str) -> bool:
@@ -42,7 +41,7 @@ def _running_with_a_queue(engine_url: str) -> bool:
     return (
         metric_sum(text, "vllm:num_requests_running") >= 1
         and metric_sum(text, "vllm:num_requests_waiting") >= 1
-        # Several tokens per running stream: their first events have reached the clients.
+        # Several tokens per running request: the running streams have tokens at their clients.
         and metric_sum(text, "vllm:generation_tokens_total") >= 3 * ALPHA_MAX_SEQS
     )
 
@@ -50,18 +49,19 @@ def _running_with_a_queue(engine_url: str) -> bool:
 def test_killing_a_replica_under_load(
     engines: EngineFleet, start_router: Any, tmp_path: Path
 ) -> None:
+    survivor, victim = engines.alpha[0], engines.alpha[1]
     fleet_file = tmp_path / "fleet.json"
-    write_fleet(fleet_file, {"alpha": [p.url for p in engines.alpha]})
+    write_fleet(fleet_file, {"alpha": [survivor.url, victim.url]})
     router = start_router(
         "--fleet-file", str(fleet_file), "--strategy", "least-load", "--backoff-max", "2"
     )
-    victim = engines.alpha[1]
 
     async def burst() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(timeout=GUARD) as client:
-            tasks = [asyncio.create_task(_one(client, router.url, i)) for i in range(50)]
-            # Kill while the victim is generating for some streams and still has requests
-            # waiting in its queue (it runs at most ALPHA_MAX_SEQS at a time).
+            tasks = [asyncio.create_task(_one(client, router.url, i)) for i in range(REQUESTS)]
+            # Kill while the victim generates for some requests and holds others in its queue
+            # (it runs at most ALPHA_MAX_SEQS at a time); the queued streams have had their
+            # role-only opening event from it, and no token.
             await asyncio.to_thread(
                 wait_until, lambda: _running_with_a_queue(victim.url), "victim busy", GUARD
             )
@@ -70,7 +70,7 @@ def test_killing_a_replica_under_load(
 
     try:
         results = asyncio.run(burst())
-        _check_results(results)
+        _check_results(results, _request_log(router.log_text()))
         _check_router_after_the_kill(router, victim.url)
     finally:
         if victim.proc.poll() is not None:
@@ -103,34 +103,46 @@ def test_killing_a_replica_under_load(
     assert served_by_victim() > before
 
 
-def _check_results(results: list[dict[str, Any]]) -> None:
-    cut_streams = 0
+def _request_log(text: str) -> dict[str, dict[str, Any]]:
+    """The router's request log lines, by request id."""
+    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    return {line["id"]: line for line in lines if line.get("msg") == "request"}
+
+
+def _check_results(results: list[dict[str, Any]], log: dict[str, dict[str, Any]]) -> None:
+    cut_streams = moved_streams = 0
     for result in results:
         assert result["status"] == 200
+        entry = log[f"burst-{result['i']}"]
         if not result["stream"]:
-            usage = result["body"]["usage"]
-            assert usage["completion_tokens"] == MAX_TOKENS
+            assert result["body"]["usage"]["completion_tokens"] == MAX_TOKENS
             continue
         blocks = result["blocks"]
         assert blocks[-1] == "[DONE]"
         events = [json.loads(b) for b in blocks[:-1]]
+        deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+        # Exactly one role-only opening: a dead replica's opening never reaches the client.
+        assert sum("role" in d for d in deltas) == 1 and "role" in deltas[0]
         if "error" in events[-1]:
-            # Cut after it had started: data came first, then the error event, then [DONE].
+            # Cut after its first token: tokens came first, then the error event, [DONE].
             cut_streams += 1
-            assert events[-1]["error"]["code"] == 502
-            assert len(events) >= 2 and all("choices" in e for e in events[:-1])
+            assert events[-1]["error"]["code"] == 502 and entry["stream_error"]
+            assert any(d.get("content") for d in deltas)
         else:
             assert all("error" not in e for e in events)
             assert events[-1]["choices"][0]["finish_reason"] == "length"
-    # Only streams the victim was running had received bytes; everything it held in its
-    # queue, or was answering without streaming, went elsewhere and completed.
+            moved_streams += entry["attempts"] > 1
+    # Only streams the victim was running had tokens at their clients; the streams it held
+    # in its queue, which had had their opening event from it, moved and completed.
     assert 1 <= cut_streams <= ALPHA_MAX_SEQS
+    assert moved_streams >= 1
 
 
 def _check_router_after_the_kill(router: Any, victim_url: str) -> None:
     metrics = router.metrics_text()
     assert metric_sum(metrics, "fleetllm:router_upstream_retries_total", model="alpha") >= 1
-    assert metric_sum(metrics, "fleetllm:router_requests_total", model="alpha", code="200") == 50
+    ok = metric_sum(metrics, "fleetllm:router_requests_total", model="alpha", code="200")
+    assert ok == REQUESTS
     # Marked down: by the failed requests at once, and by its failing health checks.
     up = metric_sum(metrics, "fleetllm:router_replica_up", model="alpha", replica=victim_url)
     assert up == 0

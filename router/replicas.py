@@ -43,8 +43,8 @@ class Replica:
         return Candidate(self.url, self.in_flight, self.waiting, self.kv_usage)
 
     def record_failure(self, now: float, base: float, cap: float) -> None:
-        """A connection error or 5xx: no new requests until the backoff passes; it doubles
-        with each failure in a row."""
+        """The replica could not serve (see `outcomes`): no new requests until the backoff
+        passes; it doubles with each failure in a row."""
         self.failures += 1
         self.down_until = now + min(cap, base * 2 ** min(self.failures - 1, 30))
 

@@ -3,23 +3,22 @@
 Pure: no I/O and no clock of its own. Whoever runs it (the operator's timer, the local
 fleet's supervisor, the simulator in benchmarks/) scrapes the replicas, hands one
 `Observation` per step to `Autoscaler.decide`, and applies the `Decision`. An `Autoscaler`
-keeps the history the law needs (the previous queue-time histograms, the recent
-recommendations, how long the fleet has been idle) for one LLMDeployment.
+keeps the history the law needs for one LLMDeployment. docs/autoscaling.md explains the law;
+in short, per step:
 
-The law, per step:
-- Need, in replicas, from the ready replicas' fresh samples: KV-cache usage over its target
-  (`sum(kv) / targetKVCacheUsage`); sequences running and waiting over the sequence slots at
-  the same target utilisation (when the replica capacity is known); and, when requests wait
-  now and no added replica is still starting, the windowed p90 queue time over its target
-  (`ready * p90 / targetQueueTimeSeconds`, at most the scale-up factor).
-- Scale up at once when need exceeds the current count by more than the tolerance, by at most
-  `max_scale_up_factor` a step; in panic (queue time far above target, or a need of
-  `panic_factor` x the ready replicas) go straight to the need and never scale down.
-- Scale down only to the highest recommendation of the last `scaleDownDelaySeconds`, and only
-  once every recommendation in that span was lower than the current count.
-- Scale to zero after `scaleToZeroAfterSeconds` of observed idleness (every ready replica
-  read, nothing running, waiting or finished) and as long since the router last asked for
-  capacity; from zero, one replica on the router's demand.
+- Need, in replicas, from the ready replicas' fresh samples: KV-cache usage over its target;
+  sequences running and waiting over the sequence slots at the same target (when the replica
+  capacity is known); the windowed p90 queue time over its target while requests wait on
+  every replica. When that need exceeds the count, the request rate (from the replicas'
+  counters) sizes the step: over what a full replica was seen to finish, or by how fast it
+  rises; but not while the fleet finishes requests faster than they come (draining a backlog).
+- Scale up at once beyond the tolerance, by at most `max_scale_up_factor` a step; in panic
+  (queue time far above target, or a need of `panic_factor` x the ready replicas) straight to
+  the need, and no scale-down.
+- Scale down only to the highest recommendation of the last `scaleDownDelaySeconds`, once all
+  were lower; never back to a count the fleet had to grow from while requests come as fast.
+- Scale to zero after `scaleToZeroAfterSeconds` of observed idleness and as long since the
+  router last asked for capacity; from zero, one replica on the router's demand.
 - A ready replica without a fresh, complete sample is never read as idle: it blocks every
   scale-down and the idle clock. Replicas not ready yet count as fully loaded for scaling down
   and as absent for scaling up.
@@ -96,7 +95,12 @@ class Load:
     """Mean over the sampled replicas."""
     running: float
     waiting: float
+    saturated: bool
+    """Requests wait on every sampled replica."""
     queue_time_p90: float | None
+    request_rate: float | None
+    """Requests arriving per second over the queue window (None: unknown), from the
+    replicas' counters: those that finished plus the growth of those they hold."""
     need: float
     """Replicas the load needs (fractional)."""
 
@@ -166,23 +170,43 @@ class _Step:
 
 
 @dataclass
-class _QueueWindow:
-    """Per-step queue-time histogram deltas of the whole fleet, over a time window."""
+class _Window:
+    """Per-step counter deltas of the whole fleet over a time window: the queue-time
+    observations, and the requests that arrived (those that finished plus the growth of those
+    the replicas hold), each over the step's interval."""
 
-    steps: deque[tuple[float, Histogram]] = field(default_factory=deque)
+    steps: deque[tuple[float, float, Histogram | None, float | None]] = field(default_factory=deque)
+    """(time, seconds since the previous step, queue-time delta, arrivals)."""
 
-    def add(self, time: float, delta: Histogram | None, window: float) -> None:
-        if delta is not None:
-            self.steps.append((time, delta))
+    def add(
+        self,
+        time: float,
+        interval: float,
+        delta: Histogram | None,
+        arrivals: float | None,
+        window: float,
+    ) -> None:
+        self.steps.append((time, interval, delta, arrivals))
         while self.steps and self.steps[0][0] <= time - window:
             self.steps.popleft()
 
     def p90(self, since: float, min_requests: int) -> float | None:
-        recent = [h for t, h in self.steps if t > since]
+        recent = [h for t, _, h, _ in self.steps if t > since and h is not None]
         merged = merge_histograms(recent)
         if merged is None or merged.count < min_requests:
             return None
         return histogram_quantile(0.9, merged)
+
+    def rates(self, start: float, end: float) -> tuple[float, float] | None:
+        """(arrived, finished) requests per second over the steps in (start, end] that know
+        their arrivals; None without any."""
+        known = [(dt, h, a) for t, dt, h, a in self.steps if start < t <= end and a is not None]
+        seconds = sum(dt for dt, _, _ in known)
+        if seconds <= 0:
+            return None
+        arrived = sum(a for _, _, a in known)
+        finished = sum(h.count for _, h, _ in known if h is not None)
+        return arrived / seconds, finished / seconds
 
 
 class Autoscaler:
@@ -192,8 +216,11 @@ class Autoscaler:
 
     def __init__(self, settings: LawSettings | None = None) -> None:
         self.settings = settings or LawSettings()
-        self._histograms: dict[str, tuple[float, Histogram]] = {}
-        self._queue = _QueueWindow()
+        self._histograms: dict[str, tuple[float, Histogram | None]] = {}
+        """Per replica: the time and queue-time histogram of its last sample."""
+        self._in_flight: tuple[float, float] | None = None
+        """(time, requests the sampled replicas held) at the last step."""
+        self._window = _Window()
         self._recommendations: deque[tuple[float, int]] = deque()
         self._first_time: float | None = None
         self._panic_until = -math.inf
@@ -201,6 +228,13 @@ class Autoscaler:
         self._ready_count = -1
         self._ready_changed = -math.inf
         self._zeroed_at: float | None = None
+        self._capacity: float | None = None
+        """Requests per second a full replica was seen to finish."""
+        self._saturated: deque[tuple[float, float, float]] = deque()
+        """(time, requests finished, replica-seconds) of the recent saturated steps."""
+        self._last_time: float | None = None
+        self._too_few: dict[int, float] = {}
+        """Counts scaled up from -> the request rate then."""
 
     # -- the signals -----------------------------------------------------------------------
 
@@ -212,41 +246,78 @@ class Autoscaler:
             if s is not None and s.complete and obs.time - s.time <= limit
         }
 
-    def _observe_queue(self, obs: Observation, fresh: Mapping[str, EngineSample]) -> float:
-        """Fold this step's histogram deltas into the window; the requests that finished
-        since the last step (-1 when some replica's count is unknown)."""
+    def _observe_counters(self, obs: Observation, fresh: Mapping[str, EngineSample]) -> float:
+        """Fold this step's counter deltas into the window; the requests that finished since
+        the last step (-1 when some replica's count is unknown)."""
         deltas: list[Histogram] = []
         known = True
         for key, sample in fresh.items():
-            hist = sample.queue_time
             previous = self._histograms.get(key)
-            if hist is None or (previous is not None and sample.time <= previous[0]):
-                known = False  # no histogram, or the same scrape again: nothing new known
+            if previous is not None and sample.time <= previous[0]:
+                known = False  # the same scrape again: nothing new
                 continue
-            delta = histogram_delta(hist, None if previous is None else previous[1])
-            self._histograms[key] = (sample.time, hist)
-            if delta is None:
-                known = False
-            else:
-                deltas.append(delta)
+            self._histograms[key] = (sample.time, sample.queue_time)
+            if sample.queue_time is None or previous is None or previous[1] is None:
+                known = False  # no histogram, or a first sight (its counts span an unknown past)
+                continue
+            delta = histogram_delta(sample.queue_time, previous[1])
+            assert delta is not None
+            deltas.append(delta)
         for key in list(self._histograms):
             if key not in obs.samples:
                 del self._histograms[key]  # the replica is gone
         merged = merge_histograms(deltas)
-        self._queue.add(obs.time, merged, self.settings.queue_window_seconds)
-        if not known:
-            return -1.0
-        return merged.count if merged is not None else 0.0
+        finished = merged.count if merged is not None else 0.0
 
-    def _load(self, spec: ScalingSpec, obs: Observation, fresh: Mapping[str, EngineSample]) -> Load:
+        # Arrivals: what finished plus the growth of what the fleet holds (a new replica's
+        # requests count as they reach it; a removed replica's leave the sum: clamped at 0).
+        in_flight = sum((x.running or 0.0) + (x.waiting or 0.0) for x in fresh.values())
+        arrivals, interval = None, 0.0
+        if self._in_flight is not None:
+            interval = obs.time - self._in_flight[0]
+            arrivals = max(0.0, finished + in_flight - self._in_flight[1])
+        self._in_flight = (obs.time, in_flight) if fresh else None
+        self._window.add(obs.time, interval, merged, arrivals, self.settings.queue_window_seconds)
+        return finished if known else -1.0
+
+    def _learn_capacity(
+        self, obs: Observation, saturated: bool, finished: float, sampled: int
+    ) -> None:
+        """While every replica has requests waiting, what they finish is what replicas can
+        finish: requests per second per replica, over the saturated steps of the window."""
+        interval = obs.time - self._last_time if self._last_time is not None else 0.0
+        self._last_time = obs.time
+        if saturated and finished >= 0 and interval > 0:
+            self._saturated.append((obs.time, finished, sampled * interval))
+        while (
+            self._saturated
+            and self._saturated[0][0] <= obs.time - self.settings.queue_window_seconds
+        ):
+            self._saturated.popleft()
+        done = sum(f for _, f, _ in self._saturated)
+        seconds = sum(r for _, _, r in self._saturated)
+        if saturated and done >= self.settings.min_queue_requests and seconds > 0:
+            self._capacity = done / seconds
+
+    def _load(
+        self,
+        spec: ScalingSpec,
+        obs: Observation,
+        fresh: Mapping[str, EngineSample],
+        finished: float,
+    ) -> Load:
         ready = max(obs.ready_replicas, len(obs.samples))
         if ready != self._ready_count:
             self._ready_count, self._ready_changed = ready, obs.time
         kv = [s.kv_cache_usage or 0.0 for s in fresh.values()]
         running = sum(s.running or 0.0 for s in fresh.values())
         waiting = sum(s.waiting or 0.0 for s in fresh.values())
+        # The router sends new requests to a replica with room: they queue only once every
+        # replica has requests waiting.
+        saturated = bool(fresh) and all((s.waiting or 0.0) > 0 for s in fresh.values())
+        self._learn_capacity(obs, saturated, finished, len(fresh))
         # Queue times from before the ready count last changed describe another fleet size.
-        p90 = self._queue.p90(self._ready_changed, self.settings.min_queue_requests)
+        p90 = self._window.p90(self._ready_changed, self.settings.min_queue_requests)
 
         need = sum(kv) / spec.target_kv_cache_usage
         if obs.replica_capacity:
@@ -255,18 +326,44 @@ class Autoscaler:
         if (
             p90 is not None
             and p90 > spec.target_queue_time_seconds
-            and waiting > 0
+            and saturated
             and obs.replicas <= ready
         ):
             ratio = min(p90 / spec.target_queue_time_seconds, self.settings.max_scale_up_factor)
             need = max(need, ready * ratio)
+        assert self._first_time is not None
+        tolerance = self.settings.tolerance
+        start = max(self._first_time, obs.time - self.settings.queue_window_seconds)
+        rates = self._window.rates(start, obs.time)
+        rate = None if rates is None else rates[0]
+        if need > obs.replicas * (1 + tolerance) and rates is not None:
+            arriving, finishing = rates
+            if arriving < finishing * (1 - tolerance):
+                # The fleet finishes requests faster than they come: what holds its KV cache
+                # is a backlog it is already draining, and a new replica would only take new
+                # requests, which the fleet keeps up with.
+                need = min(need, float(ready))
+            else:
+                # KV usage tops out at 100 % and queues take time to build, so neither shows
+                # the size of a burst while it starts: size the step by the request rate of
+                # the last quarter of the window, over what a full replica was seen to finish
+                # (or, before the fleet was ever full, by how fast the rate rises).
+                recent = obs.time - self.settings.queue_window_seconds / 4
+                before = self._window.rates(start, recent)
+                now = self._window.rates(recent, obs.time)
+                if now and self._capacity:
+                    need = max(need, now[0] / (self._capacity * spec.target_kv_cache_usage))
+                elif saturated and before and now and before[0] > 0:
+                    need = max(need, ready * now[0] / before[0])
         return Load(
             ready=ready,
             sampled=len(fresh),
             kv_cache_usage=sum(kv) / len(kv) if kv else None,
             running=running,
             waiting=waiting,
+            saturated=saturated,
             queue_time_p90=p90,
+            request_rate=rate,
             need=need,
         )
 
@@ -277,13 +374,13 @@ class Autoscaler:
         if self._first_time is None:
             self._first_time = obs.time
         fresh = self._fresh(obs)
-        finished = self._observe_queue(obs, fresh)
-        load = self._load(spec, obs, fresh)
+        finished = self._observe_counters(obs, fresh)
+        load = self._load(spec, obs, fresh, finished)
         current = obs.replicas
         missing = load.ready - load.sampled
 
         p90, target_q = load.queue_time_p90, spec.target_queue_time_seconds
-        queue_panic = p90 is not None and p90 >= s.panic_factor * target_q and load.waiting > 0
+        queue_panic = p90 is not None and p90 >= s.panic_factor * target_q and load.saturated
         need_panic = load.ready > 0 and load.need >= s.panic_factor * load.ready
         if queue_panic or need_panic:
             self._panic_until = obs.time + s.queue_window_seconds
@@ -347,13 +444,16 @@ class Autoscaler:
         if up > current or missing > 0 or panic or need_down >= current * (1 - s.tolerance):
             recommendation = up
         else:
-            recommendation = max(1, lo, math.ceil(need_down))
+            floor = self._too_few_floor(load)
+            recommendation = min(current, max(1, lo, math.ceil(need_down), floor))
         self._recommendations.append((obs.time, recommendation))
         delay = spec.scale_down_delay_seconds
         while self._recommendations and self._recommendations[0][0] < obs.time - delay:
             self._recommendations.popleft()
 
         if up > current:
+            if load.request_rate is not None:
+                self._too_few[current] = load.request_rate
             return _Step(up, "up", f"panic: {signals}" if panic else signals)
         zero = self._to_zero(spec, obs)
         if zero is not None:
@@ -370,6 +470,21 @@ class Autoscaler:
             )
         return _Step(current, "none", signals)
 
+    def _too_few_floor(self, load: Load) -> int:
+        """The fewest replicas scale-down may go to by what the fleet learnt: not back to a
+        count it had to grow from while requests come as fast as they did then. (An engine's
+        latency, so its KV use, grows faster than its load: removing a replica from two may
+        overload the last one although each was under half full.)"""
+        rate = load.request_rate
+        if rate is None:
+            return 0
+        # Twice the tolerance: a minute's request rate is noisier than the gauges.
+        margin = 2 * self.settings.tolerance
+        return max(
+            (count + 1 for count, then in self._too_few.items() if rate >= then * (1 - margin)),
+            default=0,
+        )
+
     def _to_zero(self, spec: ScalingSpec, obs: Observation) -> str | None:
         after = spec.scale_to_zero_after_seconds
         if after is None or spec.min_replicas > 0 or self._idle_since is None:
@@ -381,19 +496,22 @@ class Autoscaler:
             return None
         return f"no requests for {idle_for:.0f}s (scaleToZeroAfterSeconds {after})"
 
-    @staticmethod
-    def _describe(spec: ScalingSpec, obs: Observation, load: Load) -> str:
+    def _describe(self, spec: ScalingSpec, obs: Observation, load: Load) -> str:
         parts = []
         if load.kv_cache_usage is not None:
             parts.append(
                 f"KV cache {load.kv_cache_usage:.2f} (target {spec.target_kv_cache_usage:.2f})"
             )
         parts.append(f"{load.running:.0f} running, {load.waiting:.0f} waiting")
+        if load.request_rate is not None:
+            parts.append(f"{load.request_rate:.2f} requests/s")
         if load.queue_time_p90 is not None:
             parts.append(
                 f"p90 queue time {load.queue_time_p90:.2f}s "
                 f"(target {spec.target_queue_time_seconds:g}s)"
             )
+        if self._capacity is not None:
+            parts.append(f"a full replica finishes {self._capacity:.2f}/s")
         return (
             f"{', '.join(parts)} on {load.sampled}/{load.ready} ready replicas: "
             f"need {load.need:.2f} for {obs.replicas}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -254,6 +255,134 @@ def test_replicas_not_ready_yet_count_as_loaded_when_scaling_down() -> None:
     law = Autoscaler()
     decisions = [law.decide(s, observe(t, 4, [0.0, 0.0], ready=2)) for t in range(0, 25, 5)]
     assert [d.replicas for d in decisions] == [4, 4, 4, 4, 2]
+
+
+class Fleet:
+    """Counters of a fleet step by step: each replica's cumulative queue-time histogram
+    grows by the requests it finished (all queued under 0.5 s, so queue time never drives)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.finished: dict[str, float] = {}
+
+    def step(
+        self,
+        law: Autoscaler,
+        s: ScalingSpec,
+        replicas: int,
+        loads: list[tuple[float, float, float, float]],
+        dt: float = 5.0,
+    ) -> Decision:
+        """loads: per ready replica (kv, running, waiting, finished in this step)."""
+        self.t += dt
+        samples: dict[str, EngineSample | None] = {}
+        for i, (kv, running, waiting, done) in enumerate(loads):
+            key = f"r{i}"
+            self.finished[key] = self.finished.get(key, 0.0) + done
+            samples[key] = sample(
+                self.t, kv, running, waiting, queue_time=hist({0.5: self.finished[key]})
+            )
+        return law.decide(s, Observation(self.t, replicas, len(loads), samples))
+
+
+def test_a_burst_is_sized_by_the_request_rate_over_what_a_full_replica_finishes() -> None:
+    s = spec(max_replicas=20)
+    law, fleet = Autoscaler(), Fleet()
+    # Three full replicas (a request waiting on each) that keep up: 2 requests finish per
+    # 5 s on each (0.4/s), as many arrive. The law learns a full replica finishes 0.4/s.
+    for _ in range(20):
+        d = fleet.step(law, s, 3, [(0.85, 20, 1, 2)] * 3)
+        assert d.replicas == 3, d
+    # Then requests come at 2.4/s: queues grow by 6 a step over the 6 finishing, while the
+    # KV caches are as full as before (within the tolerance: no step yet)...
+    waiting = 1.0
+    for _ in range(3):
+        waiting += 2
+        assert fleet.step(law, s, 3, [(0.85, 20, waiting, 2)] * 3).replicas == 3
+    # ...until they fill up. KV usage alone asks for 3 x 0.97 / 0.8 = 3.6 -> 4; the request
+    # rate of the last 15 s over what a full replica finishes asks for 2.4 / (0.4 x 0.8) =
+    # 7.5 -> 8, at once (panic: twice the ready replicas).
+    d = fleet.step(law, s, 3, [(0.97, 20, waiting + 2, 2)] * 3)
+    assert (d.replicas, d.change, d.panic) == (8, "up", True)
+    assert d.load.need == pytest.approx(7.5)
+    assert "a full replica finishes 0.40/s" in d.reason
+
+
+def test_before_the_fleet_was_ever_full_a_burst_is_sized_by_how_fast_the_rate_rises() -> None:
+    s = spec(max_replicas=20)
+    law, fleet = Autoscaler(), Fleet()
+    # 0.6/s, one request finishing per replica a step, nobody waiting.
+    for _ in range(12):
+        assert fleet.step(law, s, 3, [(0.5, 10, 0, 1)] * 3).replicas == 3
+    # Then 2.4/s: each queue grows by 3 a step; the caches fill on the third step. Too few
+    # requests finished while full to tell what a full replica finishes, so the rate of the
+    # last 15 s against the 45 s before (4x) sizes the step: 3 x 4 = 12.
+    waiting = 0.0
+    for kv in (0.85, 0.85, 0.97):
+        waiting += 3
+        d = fleet.step(law, s, 3, [(kv, 10, waiting, 1)] * 3)
+    assert (d.replicas, d.change, d.panic) == (12, "up", True)
+
+
+def test_queue_times_of_a_backlog_do_not_panic_while_a_replica_has_room() -> None:
+    law = Autoscaler()
+    queue = [hist({})] * 2
+    law.decide(spec(), observe(0, 2, [0.9, 0.9], queue=queue))
+    # 20 requests finished after queueing 2..5 s (a backlog draining), but the second
+    # replica has nobody waiting: new requests go there at once.
+    slow = [hist({5.0: 10})] * 2
+    obs = observe(5, 2, [0.9, 0.9], queue=slow)
+    obs = Observation(
+        5, 2, 2, {"r0": replace(obs.samples["r0"], waiting=20.0), "r1": obs.samples["r1"]}
+    )
+    d = law.decide(spec(), obs)
+    assert d.load.queue_time_p90 is not None and d.load.queue_time_p90 > 2
+    assert not d.panic
+    assert d.replicas == 3  # KV usage alone: 1.8 / 0.8 = 2.25
+
+
+def test_a_backlog_being_drained_adds_no_replica() -> None:
+    def run(arriving: bool) -> Decision:
+        law, fleet = Autoscaler(), Fleet()
+        # A backlog of 20 on each of three replicas, each finishing 3 a step, their KV caches
+        # in the band, as many requests arriving as finishing.
+        for _ in range(6):
+            assert fleet.step(law, spec(), 3, [(0.85, 20, 20, 3)] * 3).replicas == 3
+        # The caches fill. Either requests keep coming as fast (the queues stay), or only 1 a
+        # step comes per replica (the backlog drains by 2 a step).
+        waiting = 20.0
+        for _ in range(6):
+            waiting = waiting if arriving else waiting - 2
+            d = fleet.step(law, spec(), 3, [(0.99, 20, waiting, 3)] * 3)
+            if d.change == "up":
+                return d
+        return d
+
+    assert run(arriving=True).change == "up"
+    assert run(arriving=False).change == "none"
+
+
+def test_never_back_to_a_count_that_was_too_few_while_requests_come_as_fast() -> None:
+    s = spec(scale_down_delay_seconds=30)
+    law, fleet = Autoscaler(), Fleet()
+    # One replica takes 0.6/s (3 requests finish a step, as many arrive)...
+    for _ in range(12):
+        assert fleet.step(law, s, 1, [(0.7, 20, 1, 3)]).replicas == 1
+    # ...until its KV cache is fuller than the target allows.
+    d = fleet.step(law, s, 1, [(0.95, 20, 1, 3)])
+    assert (d.replicas, d.change) == (2, "up")
+    # Two replicas take the same 0.6/s with room to spare: KV usage says one would do, but
+    # one was too few at this rate.
+    for _ in range(40):
+        d = fleet.step(law, s, 2, [(0.3, 8, 0, 1.5)] * 2)
+        assert d.replicas == 2, d
+    assert d.load.need < 1
+    # The rate halves: one is enough again.
+    for _ in range(40):
+        d = fleet.step(law, s, 2, [(0.1, 3, 0, 0.5)] * 2)
+        if d.change == "down":
+            break
+    assert (d.replicas, d.change) == (1, "down")
 
 
 def test_bounds() -> None:

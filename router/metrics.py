@@ -42,7 +42,7 @@ class RouterMetrics:
         self.first_byte = Histogram(
             "fleetllm:router_time_to_first_byte_seconds",
             "Arrival to the first response byte sent to the client (for a stream, its first "
-            "event).",
+            "event with a token, which goes out with the events held back before it).",
             ["model"],
             buckets=FIRST_BYTE_BUCKETS,
             registry=r,

@@ -161,6 +161,9 @@ class Proxy:
             ctx.client_gone = True
             self._finish(ctx, CLIENT_CLOSED)
             raise
+        except Exception:
+            self._finish(ctx, 500)  # a fault of the router's own; the middleware answers it
+            raise
         if not response.prepared:
             response.headers["X-Request-Id"] = ctx.request_id
         self._finish(ctx, CLIENT_CLOSED if ctx.client_gone else response.status)

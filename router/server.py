@@ -197,3 +197,10 @@ async def _errors_middleware(request: web.Request, handler: Any) -> web.StreamRe
         return await handler(request)
     except APIError as exc:
         return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(APIError(exc.status, exc.reason))
+    except Exception:
+        log.exception("request failed", extra={"path": request.path})
+        return error_response(APIError(500, "The router failed to handle the request."))

@@ -215,3 +215,33 @@ async def test_replica_urls_with_credentials_are_refused() -> None:
         router.apply_fleet({"m": ModelRoute("m", (secret, plain))})
         assert list(router.models["m"].replicas) == [plain.url]
         assert "hunter2" not in router.metrics.render().decode()
+
+
+async def test_a_fault_of_the_routers_own_is_a_500_envelope_and_the_router_goes_on() -> None:
+    gate = Gate()
+    gate.open.set()
+    async with (
+        serve_upstream(gate) as up,
+        serve_router(RouterSettings()) as (router, url),
+        httpx.AsyncClient(timeout=GUARD) as client,
+    ):
+        router.apply_fleet(_fleet(up))
+        order = router.pool.order
+
+        def broken(*args: object) -> object:
+            raise RuntimeError("a bug")
+
+        router.pool.order = broken  # type: ignore[method-assign]
+        r = await client.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
+        assert "a bug" not in r.text
+        text = router.metrics.render().decode()
+        assert (
+            metric_samples(text)[
+                ("fleetllm:router_requests_total", (("code", "500"), ("model", "m")))
+            ]
+            == 1
+        )
+        router.pool.order = order  # type: ignore[method-assign]
+        r = await client.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 200

@@ -30,8 +30,10 @@ from fleetllm.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
-# This many steps in a row in which every request failed is no longer about the requests.
-MAX_FAILED_STEPS = 3
+# A synthetic request that checks the engine itself after a step in which every request
+# failed: one greedy token of a one-token prompt (token id 0 is in every vocabulary).
+_PROBE_ID = "\0engine-probe"  # never a caller's id: those are printable
+_PROBE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
 class EngineFaultError(RuntimeError):
@@ -108,7 +110,6 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished: Counter[str] = Counter()
-        self._failed_steps = 0  # consecutive steps in which every request failed
         log.info(
             "engine ready",
             extra={
@@ -215,8 +216,10 @@ class LLMEngine:
         in it, in the request's output kind (FINAL_ONLY requests only when they finish).
 
         An exception raised for one request fails that request alone (finish reason "error",
-        its blocks freed) and the step goes on for the others. An exception that escapes is an
-        engine fault: the engine's state can no longer be trusted.
+        its blocks freed) and the step goes on for the others. When every request of a step
+        fails, a probe request tells whether the engine itself still works; if it does not,
+        `EngineFaultError` is raised. Any exception that escapes is an engine fault: the
+        engine's state can no longer be trusted.
         """
         out = self.scheduler.schedule()
         if not out.scheduled:
@@ -265,7 +268,8 @@ class LLMEngine:
             self._finished[req.finish_reason or "stop"] += 1
         for request_id, exc in failures.items():
             outputs.append(self._fail_request(self.requests[request_id], exc))
-        self._check_progress(failures, num_scheduled)
+        if len(failures) == num_scheduled:
+            self._check_engine(failures)
         return outputs
 
     def _execute(
@@ -312,18 +316,28 @@ class LLMEngine:
         out.error = f"generation failed for this request: {type(exc).__name__}: {exc}"
         return out
 
-    def _check_progress(self, failures: dict[str, Exception], num_scheduled: int) -> None:
-        """Failures that are not the requests' own: every request of every step failing."""
-        if len(failures) < num_scheduled:
-            self._failed_steps = 0
-            return
-        self._failed_steps += 1
-        if self._failed_steps >= MAX_FAILED_STEPS:
+    def _check_engine(self, failures: dict[str, Exception]) -> None:
+        """Every request of the step failed: the requests' fault, or the engine's? Run one
+        token of a known-good synthetic request through the model and the sampler. (Counting
+        failed steps instead would let a client that found a failing request take the engine
+        down by sending it a few times.)"""
+        if not self.kv.allocate(_PROBE_ID, 1):
+            return  # no free block to probe with; the next step tells
+        probe = Request(_PROBE_ID, None, [0], _PROBE_PARAMS, frozenset())
+        try:
+            logits, _ = self.runner.execute([ScheduledRequest(probe, 1, True)])
+            row = SamplingRow(_PROBE_PARAMS, probe.prompt_token_ids, [], frozenset(), None)
+            errors = sample(logits, [row], self.generator).errors
+            if errors:
+                raise errors[0]
+        except Exception as exc:
             last = next(reversed(failures.values()))
             raise EngineFaultError(
-                f"every request failed in {self._failed_steps} steps in a row; "
-                f"the last error: {type(last).__name__}: {last}"
-            ) from last
+                f"every request of a step failed (the last: {type(last).__name__}: {last}), "
+                f"and so did a probe request: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            self.kv.free(_PROBE_ID)
 
     def _token_counts(self, req: Request) -> TokenCounts:
         if req.token_counts is None:

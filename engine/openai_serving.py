@@ -348,6 +348,13 @@ class OpenAIServing:
                 requests.append(
                     EngineRequest(request_id, prompt.token_ids, child, job.arrival, cache_salt)
                 )
+        bound = self.engine.max_waiting_requests
+        if bound is not None and len(requests) > bound:  # could never be admitted
+            raise bad_request(
+                f"this request needs {len(requests)} engine requests, more than the "
+                f"{bound} that may wait at once: lower n or send fewer prompts",
+                "n",
+            )
         try:
             job.stream = self.engine.submit(requests)
         except (EngineOverloadedError, EngineNotReadyError, EngineDeadError) as exc:

@@ -3,6 +3,7 @@ API keys, the waiting-queue bound and the body-size limit are enforced."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from server_helpers import (
     MAX_MODEL_LEN,
     SERVED_NAME,
     ServerProcess,
+    parse_sse,
     tiny_server_args,
     wait_until,
 )
@@ -31,6 +33,11 @@ CONTEXT_MSG = (
 
 def completion(**fields: Any) -> dict[str, Any]:
     return {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 4, **fields}
+
+
+def _raw_completion(field: str) -> bytes:
+    """A completion body with one field written as raw JSON text (NaN, Infinity, 1e999)."""
+    return f'{{"model": "{SERVED_NAME}", "prompt": "hello", "max_tokens": 4, {field}}}'.encode()
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -107,6 +114,49 @@ MALFORMED: list[tuple[str, str, str, Any, int, str | None, str | None]] = [
     ("detokenize-bad-ids", "POST", "/detokenize", {"tokens": [-1]}, 400, "tokens", None),
     ("detokenize-strings", "POST", "/detokenize", {"tokens": ["a"]}, 400, "tokens", None),
     ("huge-body", "POST", C, completion(prompt="x" * (9 * 1024 * 1024)), 413, None, None),
+    # Each of these once killed the engine for good, answered 500, or was accepted as garbage.
+    ("stop-token-id-out-of-vocab", "POST", C,
+     completion(stop_token_ids=[10**6], min_tokens=2), 400, "stop_token_ids", "[0, "),
+    ("stop-token-id-past-int64", "POST", C,
+     completion(stop_token_ids=[2**70], min_tokens=2), 400, "stop_token_ids", None),
+    ("stop-token-id-negative", "POST", C, completion(stop_token_ids=[-1]), 400,
+     "stop_token_ids", None),
+    ("chat-stop-token-id-out-of-vocab", "POST", CHAT, chat(stop_token_ids=[49152]), 400,
+     "stop_token_ids", None),
+    ("temperature-nan", "POST", C, _raw_completion('"temperature": NaN'), 400, "temperature",
+     "finite"),
+    ("top-p-infinity", "POST", C, _raw_completion('"top_p": Infinity'), 400, "top_p", "finite"),
+    ("repetition-penalty-nan", "POST", C, _raw_completion('"repetition_penalty": NaN'), 400,
+     "repetition_penalty", "finite"),
+    ("presence-penalty-minus-infinity", "POST", C,
+     _raw_completion('"presence_penalty": -Infinity'), 400, "presence_penalty", "finite"),
+    ("frequency-penalty-overflow", "POST", C, _raw_completion('"frequency_penalty": 1e999'),
+     400, "frequency_penalty", "finite"),
+    ("chat-temperature-nan", "POST", CHAT,
+     json.dumps(chat(temperature=float("nan"))).encode(), 400, "temperature", "finite"),
+    ("seed-past-int64", "POST", C, completion(seed=2**64), 400, "seed", None),
+    ("seed-below-int64", "POST", C, completion(seed=-(2**63) - 1), 400, "seed", None),
+    ("max-tokens-huge", "POST", C, completion(max_tokens=2**70), 400, "max_tokens", None),
+    ("top-k-huge", "POST", C, completion(top_k=2**70), 400, "top_k", None),
+    ("n-huge", "POST", C, completion(n=2**70), 400, "n", None),
+    ("too-many-choices", "POST", C, completion(prompt=["a"] * 129), 400, "n", "the limit is 128"),
+    ("too-many-stop-strings", "POST", C, completion(stop=["x"] * 65), 400, "stop", None),
+    ("prompt-token-past-int64", "POST", C, completion(prompt=[2**70]), 400, "prompt", None),
+    ("chat-min-tokens-past-context", "POST", CHAT, chat(max_tokens=None, min_tokens=10**4), 400,
+     "min_tokens", "maximum context length"),
+    ("chat-min-over-max-completion", "POST", CHAT, chat(max_completion_tokens=2, min_tokens=5),
+     400, "min_tokens", None),
+    ("chat-template-kwargs-collide", "POST", CHAT,
+     chat(chat_template_kwargs={"add_generation_prompt": 1}), 400, "chat_template_kwargs", None),
+    ("deep-nesting", "POST", C, b'{"prompt": "x", "a": ' + b"[" * 10**5 + b"]" * 10**5 + b"}",
+     400, None, "not valid JSON"),
+    ("chat-deep-nesting", "POST", CHAT, b'{"messages": ' + b"[" * 10**5 + b"]" * 10**5 + b"}",
+     400, None, "not valid JSON"),
+    ("tokenize-deep-nesting", "POST", "/tokenize", b'{"prompt": ' + b"[" * 10**5 + b"]" * 10**5
+     + b"}", 400, None, "not valid JSON"),
+    ("detokenize-past-int64", "POST", "/detokenize", {"tokens": [2**70]}, 400, "tokens", None),
+    ("cache-salt-empty", "POST", C, completion(cache_salt=""), 400, "cache_salt", None),
+    ("cache-salt-number", "POST", C, completion(cache_salt=5), 400, "cache_salt", None),
     ("unknown-path", "GET", "/v1/nothing", None, 404, None, None),
     ("wrong-method", "GET", C, None, 405, None, None),
 ]  # fmt: skip
@@ -158,6 +208,32 @@ def test_malformed_request(
         assert error["param"] == param, error
     if message is not None:
         assert message in error["message"], error
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+
+
+def test_in_flight_requests_survive_every_malformed_request(server: ServerProcess) -> None:
+    """Streams running while every malformed request of the table arrives finish normally (an
+    out-of-vocabulary stop token id used to fail them all and leave /health at 503)."""
+    body = completion(prompt="keep going", max_tokens=300, ignore_eos=True, stream=True, n=2)
+    cases = {case[0]: case[1:4] for case in MALFORMED if case[0] != "huge-body"}
+    killer = cases.pop("stop-token-id-out-of-vocab")
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(httpx.Client(timeout=120))
+        streams = [
+            stack.enter_context(client.stream("POST", f"{server.base_url}{C}", json=body))
+            for _ in range(2)
+        ]
+        assert all(stream.status_code == 200 for stream in streams)
+        assert _send(server, *killer).status_code == 400
+        wait_until(
+            lambda: server.metric("vllm:num_requests_running") == 4, what="all still generating"
+        )
+        statuses = [_send(server, *case).status_code for case in cases.values()]
+        assert all(400 <= status < 500 for status in statuses), statuses
+        for stream in streams:
+            events = parse_sse(stream.read().decode())
+            finished = [c for e in events for c in e["choices"] if c["finish_reason"]]
+            assert [c["finish_reason"] for c in finished] == ["length"] * 2, events[-1]
     assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
 
 

@@ -117,63 +117,96 @@ token_id = st.one_of(st.integers(0, VOCAB - 1), st.integers(VOCAB, 2**40), huge_
 token_ids = st.lists(token_id, min_size=0, max_size=6)
 
 
-def hostile(plausible: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    """Mostly plausible values, some non-finite or out of range numbers, some anything."""
-    return st.one_of(plausible, any_number, json_value)
-
-
+# Valid values for every field...
 SAMPLING_FIELDS: dict[str, st.SearchStrategy[Any]] = {
-    "n": hostile(st.integers(1, FUZZ_MAX_CHOICES + 2)),
-    "max_tokens": hostile(st.integers(1, FUZZ_MAX_MODEL_LEN)),
-    "min_tokens": hostile(st.integers(0, FUZZ_MAX_MODEL_LEN)),
-    "temperature": hostile(st.floats(0, 2)),
-    "top_p": hostile(st.floats(0, 1)),
-    "top_k": hostile(st.integers(-1, VOCAB + 5)),
-    "min_p": hostile(st.floats(0, 1)),
-    "seed": hostile(st.integers(-(2**63), 2**63 - 1)),
-    "presence_penalty": hostile(st.floats(-2, 2)),
-    "frequency_penalty": hostile(st.floats(-2, 2)),
-    "repetition_penalty": hostile(st.floats(0, 3)),
-    "stop": hostile(st.lists(st.text(max_size=3), max_size=3)),
-    "stop_token_ids": hostile(token_ids),
-    "ignore_eos": hostile(st.booleans()),
-    "stream": hostile(st.booleans()),
-    "stream_options": hostile(st.fixed_dictionaries({"include_usage": st.booleans()})),
-    "logit_bias": hostile(st.dictionaries(st.text(max_size=4), st.floats(), max_size=2)),
-    "cache_salt": hostile(st.text(max_size=6)),
-    "return_token_ids": hostile(st.booleans()),
-    "skip_special_tokens": hostile(st.booleans()),
+    "n": st.integers(1, FUZZ_MAX_CHOICES),
+    "max_tokens": st.integers(1, FUZZ_MAX_MODEL_LEN // 2),
+    "min_tokens": st.integers(0, 4),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0, 1, exclude_min=True),
+    "top_k": st.integers(-1, VOCAB + 5),
+    "min_p": st.floats(0, 1),
+    "seed": st.integers(-(2**63), 2**63 - 1),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.1, 3),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=4),
+    "ignore_eos": st.booleans(),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "cache_salt": st.text(min_size=1, max_size=6),
+    "return_token_ids": st.booleans(),
+    "skip_special_tokens": st.booleans(),
 }
+in_vocab_ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6)
 COMPLETION_FIELDS = {
     **SAMPLING_FIELDS,
-    "prompt": hostile(st.one_of(st.text(max_size=20), token_ids, st.lists(token_ids, max_size=3))),
-    "logprobs": hostile(st.integers(0, 21)),
-    "echo": hostile(st.booleans()),
+    "prompt": st.one_of(
+        st.text(min_size=1, max_size=20), in_vocab_ids, st.lists(in_vocab_ids, max_size=2)
+    ),
+    "logprobs": st.integers(0, 5),
+    "echo": st.booleans(),
 }
 message = st.fixed_dictionaries(
-    {"role": hostile(st.sampled_from(["user", "assistant", "system"]))},
-    optional={"content": hostile(st.text(max_size=20))},
+    {"role": st.sampled_from(["user", "assistant", "system"]), "content": st.text(max_size=20)}
 )
 CHAT_FIELDS = {
     **SAMPLING_FIELDS,
-    "messages": hostile(st.lists(message, max_size=3)),
-    "max_completion_tokens": hostile(st.integers(1, FUZZ_MAX_MODEL_LEN)),
-    "logprobs": hostile(st.booleans()),
-    "top_logprobs": hostile(st.integers(0, 21)),
-    "continue_final_message": hostile(st.booleans()),
-    "add_generation_prompt": hostile(st.booleans()),
-    "chat_template_kwargs": hostile(st.dictionaries(st.text(max_size=6), json_value, max_size=2)),
+    "messages": st.lists(message, min_size=1, max_size=3),
+    "max_completion_tokens": st.integers(1, FUZZ_MAX_MODEL_LEN // 2),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 5),
+    "continue_final_message": st.booleans(),
+    "add_generation_prompt": st.booleans(),
 }
+# ...values of the right type that only the server can judge wrong...
+EDGE_VALUES: dict[str, st.SearchStrategy[Any]] = {
+    "n": st.integers(FUZZ_MAX_CHOICES + 1, 2**63 - 1),
+    "max_tokens": st.integers(FUZZ_MAX_MODEL_LEN, 2**63 - 1),
+    "min_tokens": st.integers(1, 2**63 - 1),
+    "stop_token_ids": st.lists(token_id, min_size=1, max_size=4),
+    "prompt": st.one_of(st.just(""), st.lists(token_ids, max_size=3), token_ids),
+    "messages": st.lists(
+        st.dictionaries(st.sampled_from(["role", "content", "x"]), json_value), max_size=3
+    ),
+    "stop": st.lists(st.text(max_size=2), max_size=70),
+    "logit_bias": st.dictionaries(st.text(max_size=4), st.floats(-100, 100), max_size=2),
+    "chat_template_kwargs": st.dictionaries(st.text(max_size=8), json_value, max_size=2),
+    "cache_salt": st.just(""),
+    "top_logprobs": st.integers(6, 2**63 - 1),
+    "logprobs": st.integers(21, 2**63 - 1),
+}
+# ...and anything at all: NaN, Infinity, 70-bit integers, wrong types.
+HOSTILE_VALUE = st.one_of(any_number, json_value)
 
 
 def bodies(fields: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[bytes]:
-    objects = st.fixed_dictionaries({"model": st.just(SERVED_NAME)}, optional=fields)
+    # Every field present, as null (the default) or a valid value, so fields meet each other.
+    valid = st.fixed_dictionaries(
+        {"model": st.just(SERVED_NAME), **{k: st.none() | v for k, v in fields.items()}}
+    ).map(lambda body: {k: v for k, v in body.items() if v is not None})
+
+    def with_one(values: st.SearchStrategy[tuple[str, Any]]) -> st.SearchStrategy[dict]:
+        return st.tuples(valid, values).map(lambda t: {**t[0], t[1][0]: t[1][1]})
+
+    edges = [st.tuples(st.just(k), v) for k, v in EDGE_VALUES.items() if k in fields]
+    one_edge = with_one(st.one_of(edges))
+    two_edges = with_one(st.one_of(edges)).flatmap(
+        lambda body: st.one_of(edges).map(lambda kv: {**body, kv[0]: kv[1]})
+    )
+    one_hostile = with_one(st.tuples(st.sampled_from(sorted(fields)), HOSTILE_VALUE))
+    all_hostile = st.fixed_dictionaries(
+        {"model": st.just(SERVED_NAME)}, optional=dict.fromkeys(fields, HOSTILE_VALUE)
+    )
     # json.dumps writes NaN and Infinity literals, as a careless client's encoder does.
-    encoded = objects.map(lambda body: json.dumps(body).encode())
+    encoded = st.one_of(valid, one_edge, one_edge, two_edges, one_hostile, all_hostile).map(
+        lambda body: json.dumps(body).encode()
+    )
     nested = st.integers(1, 20_000).map(
         lambda depth: b'{"prompt": "hi", "messages": ' + b"[" * depth + b"]" * depth + b"}"
     )
-    return st.one_of(encoded, encoded, encoded, nested, st.binary(max_size=40))
+    return st.one_of(encoded, encoded, encoded, encoded, nested, st.binary(max_size=40))
 
 
 def _post_raw(server: ServerProcess, path: str, body: bytes) -> httpx.Response:

@@ -31,7 +31,7 @@ REQUEST_LATENCY_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 LABEL = "model_name"
 
 
@@ -80,8 +80,9 @@ class EngineMetrics:
     def observe_step(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         """Record one step's new tokens and finished requests (on the engine thread).
 
-        Aborted requests come through here too, with finish_reason "abort": they only drop
-        their bookkeeping, as vLLM records no latencies for them.
+        Aborted requests come through here too, with finish_reason "abort", and requests that
+        failed in the engine, with "error": they only drop their bookkeeping, as vLLM records
+        no latencies for them.
         """
         for out in outputs:
             m = out.metrics
@@ -90,7 +91,7 @@ class EngineMetrics:
                 previous = self._last_token_time.pop(rid, None)
             else:
                 previous = self._last_token_time.get(rid)
-            if out.outputs[0].finish_reason == "abort" or m is None:
+            if out.outputs[0].finish_reason in ("abort", "error") or m is None:
                 continue
             if m.first_token_time is None or m.last_token_time is None:
                 continue

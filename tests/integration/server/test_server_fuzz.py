@@ -26,6 +26,8 @@ from server_helpers import SERVED_NAME, ServerProcess, tiny_server_args, wait_un
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.server import ServerSettings, create_app
 
+pytestmark = pytest.mark.slow  # about 40 s of seeded fuzzing
+
 # A short context and few choices per request keep each generated request cheap.
 FUZZ_MAX_MODEL_LEN = 48
 FUZZ_MAX_CHOICES = 8

@@ -1,6 +1,7 @@
-"""Model sources on one machine: an hf:// source is pulled into the local cache before the
-replicas start (with progress), as the operator's init container pulls it into a pod, and the
-builtin engine serves the pulled folder."""
+"""An hf:// source on one machine: pulled into the local cache before the replicas start, as
+the operator's init container pulls it into a pod, and served by the builtin engine from
+there. The model scales to zero when idle, and the router's demand brings a replica back while
+the request waits."""
 
 from __future__ import annotations
 
@@ -37,10 +38,14 @@ spec:
     resources:
       limits:
         memory: 768Mi
+  scaling:
+    minReplicas: 0
+    maxReplicas: 1
+    scaleToZeroAfterSeconds: 1
 """
 
 
-def test_an_hf_source_is_pulled_into_the_local_cache_then_served(
+def test_an_hf_model_is_pulled_served_scaled_to_zero_and_brought_back_on_demand(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     manifest = tmp_path / "hub.yaml"
@@ -55,15 +60,22 @@ def test_an_hf_source_is_pulled_into_the_local_cache_then_served(
         )
         try:
             up.wait_for("replica ready", guard_s=180)
+            (idle,) = up.wait_for("scale", to=0)
+            assert "scaleToZeroAfterSeconds 1" in idle["reason"]
+            up.wait_for("replica stopped")
+            # No replica now: the request is held while the router's demand brings one back.
             answer = up.client().chat.completions.create(
                 model="tiny-from-hub",
                 messages=[{"role": "user", "content": "Hello"}],
                 max_tokens=4,
             )
             assert answer.choices[0].message.content
+            (back,) = up.find("scale", to=1)
+            assert back["reason"] == "the router holds requests for it"
             # The replica loaded the pulled folder (the engine names it as the model's root).
-            (started,) = up.find("replica starting")
-            listed = httpx.get(f"{started['url']}/v1/models", timeout=30).json()
+            started = up.find("replica starting")
+            assert len(started) == 2
+            listed = httpx.get(f"{started[-1]['url']}/v1/models", timeout=30).json()
             assert listed["data"][0]["root"] == str(folder)
             tree = snapshot(p.pid for p in up.tree())
             assert up.stop() == 0

@@ -119,15 +119,12 @@ class Lease:
         if self.pooled is not None:
             self._pool.refresh_up(self.model, self.pooled)
 
-    async def confirm_broken(self) -> bool:
-        """After a suspect answer (a 500): whether the replica's /health fails now, in which
-        case it is backed off (and out until a scrape sees it healthy again)."""
-        healthy = await self._pool.check_health(self.replica.url)
-        if healthy:
-            return False
-        self.replica.record_scrape(False, None)
-        self.failed()
-        return True
+    async def check_broken(self) -> None:
+        """After a suspect answer (a 500): a replica whose /health fails now is backed off
+        (and out until a scrape sees it healthy again)."""
+        if not await self._pool.check_health(self.replica.url):
+            self.replica.record_scrape(False, None)
+            self.failed()
 
     def release(self, outcome: str) -> None:
         """The attempt is over; `outcome` is the replica's HTTP status, or `error`."""

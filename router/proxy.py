@@ -350,7 +350,7 @@ class Proxy:
             lease.failed()
             return True
         if verdict is Verdict.SUSPECT:
-            await lease.confirm_broken()
+            await lease.check_broken()
         else:
             lease.succeeded()
         return False

@@ -279,6 +279,9 @@ EVENTS = Resource("v1", "events", "Event")
 DEPLOYMENTS = Resource("apps/v1", "deployments", "Deployment")
 PODDISRUPTIONBUDGETS = Resource("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget")
 ENDPOINTSLICES = Resource("discovery.k8s.io/v1", "endpointslices", "EndpointSlice")
+HORIZONTALPODAUTOSCALERS = Resource(
+    "autoscaling/v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler"
+)
 
 
 class ApiError(Exception):
@@ -658,6 +661,21 @@ class KubeClient:
         return await self.patch(
             resource, name, body, namespace, subresource="scale", field_manager=field_manager
         )
+
+    async def delete(self, resource: Resource, name: str, namespace: str | None = None) -> bool:
+        """Delete the object, its dependents after it (background propagation); False if
+        there was none."""
+        try:
+            await self.request(
+                "DELETE",
+                resource.path(namespace, name),
+                params={"propagationPolicy": "Background"},
+            )
+        except ApiError as exc:
+            if exc.not_found:
+                return False
+            raise
+        return True
 
     async def create_event(
         self,

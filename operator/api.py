@@ -213,7 +213,8 @@ class GPUSpec(_Model):
 
 
 class ScalingSpec(_Model):
-    """Bounds and targets for the autoscaler. spec.replicas is kept within the bounds."""
+    """Bounds and targets for the autoscaler. spec.replicas is kept within the bounds; without
+    scaling, nothing but the user (and the router's scale from zero) changes it."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -225,6 +226,14 @@ class ScalingSpec(_Model):
                 {
                     "rule": "!has(self.scaleToZeroAfterSeconds) || self.minReplicas == 0",
                     "message": "scaleToZeroAfterSeconds needs minReplicas: 0",
+                },
+                {
+                    "rule": "!has(self.mode) || self.mode != 'keda' || has(self.prometheusAddress)",
+                    "message": "mode keda needs prometheusAddress",
+                },
+                {
+                    "rule": "!has(self.mode) || self.mode != 'hpa' || self.minReplicas >= 1",
+                    "message": "mode hpa needs minReplicas >= 1 (the HPA does not scale to zero)",
                 },
             ]
         }
@@ -248,6 +257,18 @@ class ScalingSpec(_Model):
     scale_to_zero_after_seconds: int | None = Field(
         None, ge=1, le=604800, description="Idle time before scaling to zero (minReplicas: 0)."
     )
+    mode: Literal["builtin", "keda", "hpa"] = Field(
+        "builtin",
+        description="builtin: the operator scales from the engines' /metrics; keda: render a "
+        "KEDA ScaledObject on Prometheus queries instead; hpa: render an autoscaling/v2 "
+        "HorizontalPodAutoscaler on the engines' metrics through the custom metrics API.",
+    )
+    prometheus_address: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s/]+(/\S*)?$",
+        max_length=2048,
+        description="mode keda: the Prometheus server KEDA queries (http://host:port).",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> ScalingSpec:
@@ -257,6 +278,10 @@ class ScalingSpec(_Model):
             )
         if self.scale_to_zero_after_seconds is not None and self.min_replicas != 0:
             raise ValueError("scaleToZeroAfterSeconds needs minReplicas: 0")
+        if self.mode == "keda" and self.prometheus_address is None:
+            raise ValueError("mode keda needs prometheusAddress")
+        if self.mode == "hpa" and self.min_replicas < 1:
+            raise ValueError("mode hpa needs minReplicas >= 1 (the HPA does not scale to zero)")
         return self
 
 
@@ -408,6 +433,14 @@ class LLMDeploymentStatus(_Status):
     selector: str | None = Field(None, description="Label selector of the engine pods (scale).")
     plan: PlanStatus | None = None
     endpoint: str | None = Field(None, description="In-cluster URL of the replicas' Service.")
+    last_scale_time: str | None = Field(
+        None,
+        json_schema_extra={"format": "date-time"},
+        description="When the autoscaler (spec.scaling.mode builtin) last changed spec.replicas.",
+    )
+    last_scale_reason: str | None = Field(
+        None, max_length=4096, description="Why, as `FROM -> TO: what the autoscaler saw`."
+    )
 
 
 class ObjectMeta(BaseModel):

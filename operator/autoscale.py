@@ -452,7 +452,7 @@ class Autoscaler:
             self._recommendations.popleft()
 
         if up > current:
-            if load.request_rate is not None:
+            if load.request_rate:  # a count too few at no measured rate says nothing
                 self._too_few[current] = load.request_rate
             return _Step(up, "up", f"panic: {signals}" if panic else signals)
         zero = self._to_zero(spec, obs)

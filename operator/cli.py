@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from typing import Any
@@ -164,6 +165,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="URL",
         help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
     )
+    p_run.add_argument(
+        "--autoscale-interval",
+        type=_positive_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="how often the autoscaler steps each LLMDeployment with spec.scaling.mode builtin "
+        "(default: %(default)s)",
+    )
     add_config_arguments(p_run)
     p_run.add_argument("--log-format", choices=["json", "plain"], default="json")
     p_run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -285,6 +294,16 @@ def cmd_manifests(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0.1 or value > 3600:
+        raise argparse.ArgumentTypeError(f"{text}: must be between 0.1 and 3600 seconds")
+    return value
+
+
 def cmd_crds(args: argparse.Namespace) -> int:
     sys.stdout.write(reference_markdown() if args.reference else crd_yaml())
     return 0
@@ -303,4 +322,5 @@ def cmd_operator_run(args: argparse.Namespace) -> int:
         log_json=args.log_format == "json",
         verbose=args.verbose,
         config=config_from_args(args),
+        autoscale_interval=args.autoscale_interval,
     )

@@ -5,8 +5,11 @@ All decisions live in the reconciler; handlers here only say *when* to reconcile
 - one of its children changes or disappears (drift, deletion, Deployment status);
 - it is in conflict (a child's name is taken by an object it does not own): retried every
   `conflict_recheck_seconds`, since the foreign object's removal raises no event here.
-There are no kopf timers or daemons: kopf would put a finalizer on every LLMDeployment for
-them, and nothing here needs cleanup beyond the garbage collection that ownerReferences give.
+The one kopf timer steps the autoscaler (scaler.py) of each LLMDeployment with
+`spec.scaling.mode: builtin`, every `autoscale_interval` seconds, on the peering leader only.
+kopf puts its finalizer on those LLMDeployments (and only on those), so that the timer stops
+before the object goes; nothing else needs cleanup beyond the garbage collection that
+ownerReferences give.
 
 kopf and the reconciler share one login: kopf's login handler returns the KubeClient's
 credentials (see fleetllm.kube), and children are watched with a server-side label selector.
@@ -18,6 +21,7 @@ import asyncio
 import logging
 import random
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +33,7 @@ from fleetllm.operator.api import GROUP, KIND, PLURAL, VERSION
 from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.operator.reconciler import CHILD_RESOURCES, Reconciler
 from fleetllm.operator.render import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER
+from fleetllm.operator.scaler import Scaler
 
 logger = logging.getLogger("fleetllm.operator")
 
@@ -36,6 +41,7 @@ HANDLER_RETRIES = 10
 CHILD_RETRIES = 5
 MAX_BACKOFF_SECONDS = 60.0
 CONFLICT_RECHECK_SECONDS = 30.0
+AUTOSCALE_INTERVAL_SECONDS = 5.0
 COMPONENT = "fleetllm-operator"
 CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER}"
 
@@ -47,8 +53,11 @@ class OperatorState:
 
     client: KubeClient
     reconciler: Reconciler
+    scaler: Scaler
     conflict_recheck_seconds: float = CONFLICT_RECHECK_SECONDS
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the operator shuts down (an object: kopf's per-object memo copies share it)."""
 
     @classmethod
     def create(
@@ -73,6 +82,7 @@ class OperatorState:
         return cls(
             client=client,
             reconciler=Reconciler(client, emit=post_event, config=config),
+            scaler=Scaler(client, emit=post_event),
             conflict_recheck_seconds=conflict_recheck_seconds,
         )
 
@@ -102,7 +112,13 @@ def _owner_name(body: dict[str, Any]) -> str | None:
     return (meta.get("labels") or {}).get(LABEL_INSTANCE)
 
 
-def build_registry() -> kopf.OperatorRegistry:
+def _builtin_scaling(spec: Mapping[str, Any], **_: Any) -> bool:
+    """Whether the operator's own autoscaler scales it (the timer's filter)."""
+    scaling = spec.get("scaling")
+    return isinstance(scaling, Mapping) and scaling.get("mode", "builtin") == "builtin"
+
+
+def build_registry(autoscale_interval: float = AUTOSCALE_INTERVAL_SECONDS) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -117,9 +133,11 @@ def build_registry() -> kopf.OperatorRegistry:
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: OperatorState, **_: Any) -> None:
+        memo.stopping.set()
         for task in memo.tasks:
             task.cancel()
         await asyncio.gather(*memo.tasks, return_exceptions=True)
+        await memo.scaler.close()
         await memo.client.close()
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, retries=HANDLER_RETRIES)
@@ -129,6 +147,33 @@ def build_registry() -> kopf.OperatorRegistry:
         name: str, namespace: str, memo: OperatorState, retry: int, **_: Any
     ) -> None:
         await _reconcile_or_retry(memo, namespace, name, retry)
+
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        registry=registry,
+        id="autoscale",
+        interval=autoscale_interval,
+        when=_builtin_scaling,
+    )
+    async def autoscale(body: kopf.Body, memo: OperatorState, **_: Any) -> None:
+        if memo.stopping.is_set():
+            return
+        try:
+            await memo.scaler.step(dict(body))
+        except (TimeoutError, ApiError, LoginError, aiohttp.ClientError) as exc:
+            if memo.stopping.is_set():
+                return  # the operator is shutting down under this step
+            # The next tick tries again; a failed step changes nothing.
+            meta = body.get("metadata") or {}
+            logger.warning(
+                "autoscaler step failed",
+                extra={
+                    "llmdeployment": f"{meta.get('namespace')}/{meta.get('name')}",
+                    "error": str(exc),
+                },
+            )
 
     for kind, resource in CHILD_RESOURCES.items():
         group, _, version = resource.api_version.rpartition("/")
@@ -235,6 +280,7 @@ def run(
     log_json: bool,
     verbose: bool,
     config: OperatorConfig = DEFAULT_CONFIG,
+    autoscale_interval: float = AUTOSCALE_INTERVAL_SECONDS,
 ) -> int:
     kopf.configure(
         verbose=verbose, log_format=kopf.LogFormat.JSON if log_json else kopf.LogFormat.FULL
@@ -243,7 +289,7 @@ def run(
     settings = make_settings(standalone=standalone, peering=peering, priority=priority)
     client = KubeClient(load_credentials, user_agent=COMPONENT)
     kopf.run(
-        registry=build_registry(),
+        registry=build_registry(autoscale_interval),
         settings=settings,
         memo=OperatorState.create(client, config),
         clusterwide=clusterwide,

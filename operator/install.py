@@ -13,7 +13,7 @@ from typing import Any
 from fleetllm.operator.api import GROUP, PLURAL
 from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.operator.images import CONTROL_PLANE_IMAGE
-from fleetllm.operator.reconciler import CHILD_RESOURCES, READ_RESOURCES
+from fleetllm.operator.reconciler import AUTOSCALER_RESOURCES, CHILD_RESOURCES, READ_RESOURCES
 from fleetllm.operator.render import COMPONENT, LABEL_COMPONENT, LABEL_NAME, RUN_AS
 
 NAMESPACE = "fleetllm-system"
@@ -108,11 +108,14 @@ def namespace_object(namespace: str = NAMESPACE) -> dict[str, Any]:
 
 
 def operator_rules() -> list[dict[str, Any]]:
-    """What the reconciler and kopf touch: its children (written by server-side apply), the
-    model claims it reads, status, events and the peering objects."""
+    """What the reconciler, the autoscaler and kopf touch: the children (written by
+    server-side apply), the HPA or ScaledObject of spec.scaling.mode, the model claims it
+    reads, status and scale, the engine pods (read and scraped; annotated with a deletion cost
+    before a scale-down), events and the peering objects."""
     rules = [
         _rule(GROUP, [PLURAL], ["get", "list", "watch", "patch", "update"]),
-        _rule(GROUP, [f"{PLURAL}/status"], ["get", "patch", "update"]),
+        _rule(GROUP, [f"{PLURAL}/status", f"{PLURAL}/scale"], ["get", "patch", "update"]),
+        _rule("", ["pods"], ["get", "list", "patch"]),
     ]
     by_group: dict[str, list[str]] = {}
     for resource in CHILD_RESOURCES.values():
@@ -121,6 +124,14 @@ def operator_rules() -> list[dict[str, Any]]:
     for group, plurals in by_group.items():
         verbs = ["get", "list", "watch", "create", "patch", "update", "delete"]
         rules.append(_rule(group, sorted(plurals), verbs))
+    for resource in AUTOSCALER_RESOURCES.values():
+        rules.append(
+            _rule(
+                resource.api_version.rpartition("/")[0],
+                [resource.plural],
+                ["get", "create", "patch", "delete"],
+            )
+        )
     for resource in READ_RESOURCES.values():
         rules.append(_rule(resource.api_version.rpartition("/")[0], [resource.plural], ["get"]))
     rules += [

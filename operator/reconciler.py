@@ -23,6 +23,7 @@ from typing import Any
 from fleetllm.kube import (
     CONFIGMAPS,
     DEPLOYMENTS,
+    HORIZONTALPODAUTOSCALERS,
     PERSISTENTVOLUMECLAIMS,
     PODDISRUPTIONBUDGETS,
     SERVICES,
@@ -51,6 +52,15 @@ CHILD_RESOURCES: dict[str, Resource] = {
     "Deployment": DEPLOYMENTS,
     "PodDisruptionBudget": PODDISRUPTIONBUDGETS,
 }
+# The object that scales the LLMDeployment instead of the operator's own autoscaler
+# (spec.scaling.mode hpa | keda), named after it. Not watched: KEDA may not be installed.
+SCALEDOBJECTS = Resource("keda.sh/v1alpha1", "scaledobjects", "ScaledObject")
+AUTOSCALER_RESOURCES: dict[str, Resource] = {
+    "HorizontalPodAutoscaler": HORIZONTALPODAUTOSCALERS,
+    "ScaledObject": SCALEDOBJECTS,
+}
+AUTOSCALER_KINDS = {"hpa": "HorizontalPodAutoscaler", "keda": "ScaledObject"}
+RESOURCES: dict[str, Resource] = {**CHILD_RESOURCES, **AUTOSCALER_RESOURCES}
 # Read only: whether the replicas can share a model's claim.
 READ_RESOURCES: dict[str, Resource] = {"PersistentVolumeClaim": PERSISTENTVOLUMECLAIMS}
 
@@ -110,6 +120,9 @@ class Outcome:
     planned: bool
     applied: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    unavailable: str | None = None
+    """Why the spec.scaling.mode's autoscaler could not be created."""
     status_written: bool = False
 
 
@@ -174,8 +187,13 @@ class Reconciler:
         result = Outcome(planned=isinstance(outcome, Plan))
         uid = meta.get("uid")
         live: dict[str, dict[str, Any] | None] = {}
-        for kind, child in child_names(name).items():
-            live[kind] = await self.client.get(CHILD_RESOURCES[kind], child, namespace)
+        scaling = cr.spec.scaling if cr is not None else None
+        autoscaler = AUTOSCALER_KINDS.get(scaling.mode) if scaling is not None else None
+        names = child_names(name)
+        if autoscaler is not None:
+            names[autoscaler] = name
+        for kind, child in names.items():
+            live[kind] = await self.client.get(RESOURCES[kind], child, namespace)
             if live[kind] is not None and not controlled_by(live[kind], uid):
                 result.conflicts.append(f"{kind} {child}")
                 live[kind] = None  # not ours: never read as our state, never written
@@ -185,8 +203,18 @@ class Reconciler:
                 kind, child = desired["kind"], desired["metadata"]["name"]
                 if needs_apply(desired, live[kind]):
                     verb = "Created" if live[kind] is None else "Updated"
-                    live[kind] = await self.client.apply(CHILD_RESOURCES[kind], desired)
+                    try:
+                        live[kind] = await self.client.apply(RESOURCES[kind], desired)
+                    except ApiError as exc:
+                        if kind != "ScaledObject" or not exc.not_found:
+                            raise
+                        result.unavailable = (
+                            "spec.scaling.mode keda: the cluster has no ScaledObject kind "
+                            "(install KEDA, or use mode builtin or hpa)"
+                        )
+                        continue
                     result.applied.append(f"{verb} {kind} {child}")
+            await self._remove_other_autoscalers(body, uid, autoscaler, result)
         # A refused plan or a conflict applies nothing; what runs keeps running and is reported.
         if result.conflicts:
             self.conflicted.add((namespace, name))
@@ -204,6 +232,7 @@ class Reconciler:
             old_status,
             self._clock(),
             conflicts=result.conflicts,
+            unavailable=result.unavailable,
         )
         if status != old_status:
             removed = {key: None for key in old_status if key not in status}
@@ -218,6 +247,24 @@ class Reconciler:
 
         await self._report(body, namespace, name, result, transitions)
         return result
+
+    async def _remove_other_autoscalers(
+        self, body: dict[str, Any], uid: str | None, keep: str | None, result: Outcome
+    ) -> None:
+        """Delete the HPA or ScaledObject this LLMDeployment made for a mode it no longer has
+        (another autoscaler would fight the one it has now). The Event goes out at once: a
+        retried reconcile finds nothing left to delete."""
+        meta = body.get("metadata") or {}
+        namespace, name = meta.get("namespace") or "default", meta.get("name") or ""
+        for kind, resource in AUTOSCALER_RESOURCES.items():
+            if kind == keep:
+                continue
+            live = await self.client.get(resource, name, namespace)
+            if live is not None and controlled_by(live, uid):
+                await self.client.delete(resource, name, namespace)
+                result.deleted.append(f"{kind} {name}")
+                ref = {**body, "apiVersion": body.get("apiVersion", API_VERSION), "kind": KIND}
+                await self._emit(ref, "Normal", "Deleted", f"{kind} {name}")
 
     async def _claim_access_modes(self, namespace: str, cr: LLMDeployment) -> dict[str, list[str]]:
         """The access modes of the model's claims that exist (the planner refuses those the
@@ -253,13 +300,14 @@ class Reconciler:
         for t in transitions:
             message = f"{t.type} is {t.status}" + (f": {t.message}" if t.message else "")
             await self._emit(ref, "Warning" if t.warning else "Normal", t.reason, message)
-        if result.applied or result.status_written:
+        if result.applied or result.deleted or result.status_written:
             logger.info(
                 "reconciled",
                 extra={
                     "llmdeployment": f"{namespace}/{name}",
                     "planned": result.planned,
                     "applied": result.applied,
+                    "deleted": result.deleted,
                     "conflicts": result.conflicts,
                     "status_written": result.status_written,
                 },

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from fleetllm.operator import drain_hook
-from fleetllm.operator.api import API_VERSION, KIND, LLMDeployment
+from fleetllm.operator.api import API_VERSION, KIND, LLMDeployment, ScalingSpec
 from fleetllm.operator.catalog import GIB, GPU_RESOURCE
 from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.operator.images import CONTROL_PLANE_IMAGE
 from fleetllm.operator.planner import ENGINE_PORT, MODEL_CACHE_MOUNT, MODEL_MOUNT, Plan
+from fleetllm.scrape import KV_USAGE, QUEUE_TIME
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -46,6 +47,8 @@ DOWNLOAD_SECONDS_PER_GIB = 20
 LOAD_SECONDS_PER_GIB = 10
 # The drain hook's source, passed inline: vLLM's image has python3 but not fleetllm.
 DRAIN_HOOK_SOURCE = Path(drain_hook.__file__).read_text(encoding="utf-8")
+# The longest scale-down stabilization window an HPA (and so KEDA) takes.
+MAX_STABILIZATION = 3600
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -444,6 +447,138 @@ def render_deployment(
     }
 
 
+def _milli(value: float) -> str:
+    """A fraction as a Kubernetes quantity (0.8 -> "800m")."""
+    return f"{round(value * 1000)}m"
+
+
+def _scale_target(cr: LLMDeployment) -> dict[str, str]:
+    # HPA and KEDA scale the LLMDeployment through its scale subresource, so the operator keeps
+    # spec.replicas within the bounds and the router can still scale it from zero.
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": cr.metadata.name}
+
+
+def render_hpa(cr: LLMDeployment, scaling: ScalingSpec) -> dict[str, Any]:
+    """An autoscaling/v2 HPA on the engines' KV-cache usage, read per pod through the custom
+    metrics API (a metrics adapter must serve vllm:kv_cache_usage_perc)."""
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(cr, cr.metadata.name),
+        "spec": {
+            "scaleTargetRef": _scale_target(cr),
+            "minReplicas": scaling.min_replicas,
+            "maxReplicas": scaling.max_replicas,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": KV_USAGE},
+                        "target": {
+                            "type": "AverageValue",
+                            "averageValue": _milli(scaling.target_kv_cache_usage),
+                        },
+                    },
+                }
+            ],
+            "behavior": {
+                "scaleUp": {
+                    "stabilizationWindowSeconds": 0,
+                    "policies": [{"type": "Percent", "value": 100, "periodSeconds": 15}],
+                },
+                "scaleDown": {
+                    "stabilizationWindowSeconds": min(
+                        MAX_STABILIZATION, scaling.scale_down_delay_seconds
+                    )
+                },
+            },
+        },
+    }
+
+
+def render_scaledobject(cr: LLMDeployment, scaling: ScalingSpec) -> dict[str, Any]:
+    """A KEDA ScaledObject with the builtin law's signals as Prometheus queries: summed KV-cache
+    usage over its target (replicas the KV cache needs) and the p90 queue time over its target;
+    with minReplicas 0, the router's held requests activate it from zero."""
+    assert scaling.prometheus_address is not None
+    namespace = cr.metadata.namespace or "default"
+    engine = f'namespace="{namespace}",model_name="{cr.spec.model.name}"'
+
+    def trigger(name: str, metric_type: str, query: str, threshold: str) -> dict[str, Any]:
+        return {
+            "type": "prometheus",
+            "name": name,
+            "metricType": metric_type,
+            "metadata": {
+                "serverAddress": scaling.prometheus_address,
+                "query": query,
+                "threshold": threshold,
+            },
+        }
+
+    triggers = [
+        trigger(
+            "kv-cache-usage",
+            "AverageValue",
+            f"sum({KV_USAGE}{{{engine}}})",
+            f"{scaling.target_kv_cache_usage:g}",
+        ),
+        trigger(
+            "queue-time-p90",
+            "Value",
+            f"histogram_quantile(0.9, sum by (le) (rate({QUEUE_TIME}_bucket{{{engine}}}[1m])))",
+            f"{scaling.target_queue_time_seconds:g}",
+        ),
+    ]
+    if scaling.min_replicas == 0:
+        # Activation only: any held request wakes the model; the huge threshold keeps this
+        # trigger from asking for more than one replica.
+        demand = trigger(
+            "router-held-requests",
+            "Value",
+            f'sum(fleetllm:router_held_requests{{model="{cr.spec.model.name}"}})',
+            "1000000",
+        )
+        demand["metadata"]["activationThreshold"] = "0"
+        triggers.append(demand)
+    spec: dict[str, Any] = {
+        "scaleTargetRef": _scale_target(cr),
+        "minReplicaCount": scaling.min_replicas,
+        "maxReplicaCount": scaling.max_replicas,
+        "pollingInterval": 15,
+        "cooldownPeriod": scaling.scale_to_zero_after_seconds or 300,
+        "advanced": {
+            "horizontalPodAutoscalerConfig": {
+                "behavior": {
+                    "scaleDown": {
+                        "stabilizationWindowSeconds": min(
+                            MAX_STABILIZATION, scaling.scale_down_delay_seconds
+                        )
+                    }
+                }
+            }
+        },
+        "triggers": triggers,
+    }
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": _metadata(cr, cr.metadata.name),
+        "spec": spec,
+    }
+
+
+def render_autoscaler(cr: LLMDeployment) -> dict[str, Any] | None:
+    """The HPA or ScaledObject that scales the LLMDeployment instead of the operator's own
+    autoscaler (spec.scaling.mode hpa or keda); None otherwise."""
+    scaling = cr.spec.scaling
+    if scaling is None or scaling.mode == "builtin":
+        return None
+    if scaling.mode == "hpa":
+        return render_hpa(cr, scaling)
+    return render_scaledobject(cr, scaling)
+
+
 def content_hash(obj: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -459,6 +594,9 @@ def render(
         render_deployment(cr, plan, config),
         render_pdb(cr),
     ]
+    autoscaler = render_autoscaler(cr)
+    if autoscaler is not None:
+        objects.append(autoscaler)
     for obj in objects:
         obj["metadata"]["annotations"] = {ANNOTATION_APPLIED: content_hash(obj)}
     return objects

@@ -91,10 +91,12 @@ def build_status(
     old_status: dict[str, Any] | None,
     now: str,
     conflicts: list[str] | None = None,
+    unavailable: str | None = None,
 ) -> tuple[dict[str, Any], list[Transition]]:
     """The new status (as the API stores it) and the conditions that changed. `conflicts`
     names children ("Service NAME") whose names are taken by objects not owned by this
-    LLMDeployment: nothing was applied."""
+    LLMDeployment: nothing was applied. `unavailable` says why spec.scaling.mode's
+    autoscaler could not be created."""
     desired = cr.spec.desired_replicas() if cr is not None else 0
     conflict = conflict_message(conflicts) if conflicts else None
     replicas, ready, settled, failure = _deployment_counts(deployment)
@@ -139,6 +141,8 @@ def build_status(
         conds.append(("Degraded", "True", "Conflict", conflict))
     elif failure is not None:
         conds.append(("Degraded", "True", "RolloutFailing", failure))
+    elif unavailable is not None:
+        conds.append(("Degraded", "True", "AutoscalerUnavailable", unavailable))
     elif not planned and deployment is not None:
         conds.append(
             (
@@ -151,8 +155,16 @@ def build_status(
     else:
         conds.append(("Degraded", "False", "AsExpected", ""))
 
+    # The autoscaler writes lastScaleTime and lastScaleReason; they are kept while it runs.
+    scaling = cr.spec.scaling if cr is not None else None
+    autoscaled = scaling is not None and scaling.mode == "builtin"
+    last_reason = (old_status or {}).get("lastScaleReason") if autoscaled else None
+    last_time = (old_status or {}).get("lastScaleTime") if autoscaled else None
     if planned and desired == 0:
-        conds.append(("ScaledToZero", "True", "ScaledToZero", "spec.replicas is 0"))
+        why = "spec.replicas is 0"
+        if last_reason and " -> 0: " in last_reason:
+            why = f"the autoscaler scaled {last_reason}"
+        conds.append(("ScaledToZero", "True", "ScaledToZero", why))
     else:
         conds.append(("ScaledToZero", "False", "ReplicasWanted", f"{desired} replicas wanted"))
 
@@ -190,5 +202,7 @@ def build_status(
         selector=selector_string(name),
         plan=outcome.status if isinstance(outcome, Plan) else None,
         endpoint=endpoint(name, namespace),
+        last_scale_time=last_time,
+        last_scale_reason=last_reason,
     )
     return status.model_dump(by_alias=True, exclude_none=True, mode="json"), transitions

@@ -8,6 +8,7 @@ what our clients rely on from a real API server (kmock 0.8 lacks it):
 - status-subresource rules: /status writes only status, the main resource never does;
 - the scale subresource (GET answers an autoscaling/v1 Scale, PATCH sets spec.replicas);
 - server-side apply creates a missing object (merge semantics otherwise, as in kmock);
+- writes of a kind the server does not know answer 404 (e.g. a CRD that is not installed);
 - a failed JSON-patch `test` operation answers 422, not 500;
 - label selectors (`k=v`, `k!=v`, `k`, `!k`) on lists and watches;
 - lists in pages (`limit`/`continue`, served from one snapshot);
@@ -54,7 +55,7 @@ from fleetllm.operator.crd import openapi_schema
 NAMESPACE = "default"
 CR_RESOURCE = f"{GROUP}/{VERSION}/{PLURAL}"
 KUBERNETES_VERSIONS = ("1.30", "1.37")
-VALIDATED_GROUPS = {"", "apps", "policy"}
+VALIDATED_GROUPS = {"", "apps", "policy", "autoscaling"}
 
 
 def _now() -> str:
@@ -224,6 +225,8 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
     async def _mutate(self, request: rendering.Request) -> tuple[int, dict[str, Any]]:
         """Apply one write; the HTTP status and the object to answer with."""
         resource, namespace, name = request.resource, request.namespace, request.name
+        if resource not in self._get_resources():
+            raise kmock.KubernetesResourceNotFoundError()  # a kind the cluster does not have
         if request.action == kmock.action.CREATE:
             return await self._create(resource, namespace, request.data or {})
         key = (resource, namespace, name)

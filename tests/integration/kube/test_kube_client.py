@@ -337,6 +337,15 @@ async def test_writes_scale_status_and_events(api: EmulatedApiServer, tmp_path: 
         assert [r.params.get("fieldManager") for r in applies] == ["fleetllm", "someone"]
         assert all(r.headers["Content-Type"] == "application/apply-patch+yaml" for r in applies)
 
+        # Delete: background propagation; False for an object that is not there.
+        await client.apply(CONFIGMAPS, _configmap("doomed"))
+        assert await client.delete(CONFIGMAPS, "doomed", NS) is True
+        assert api.get("v1/configmaps", "doomed") is None
+        assert [r.params.get("propagationPolicy") for r in api.writes() if r.name == "doomed"][
+            -1
+        ] == "Background"
+        assert await client.delete(CONFIGMAPS, "doomed", NS) is False
+
         # Merge and JSON patches.
         await client.patch(CONFIGMAPS, "applied", {"data": {"extra": "1"}}, NS)
         patched = await client.patch(

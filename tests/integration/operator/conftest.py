@@ -47,9 +47,20 @@ class _CycleCounter(logging.Handler):
 class RunningOperator:
     """The operator in its own thread and event loop, as in production (one process)."""
 
-    def __init__(self, load: Callable[[], Credentials], conflict_recheck_seconds: float) -> None:
-        client = KubeClient(load, user_agent="fleetllm-operator")
+    def __init__(
+        self,
+        load: Callable[[], Credentials],
+        conflict_recheck_seconds: float,
+        *,
+        user_agent: str = "fleetllm-operator",
+        priority: int | None = None,
+        autoscale_interval: float = 5.0,
+    ) -> None:
+        client = KubeClient(load, user_agent=user_agent)
         self.state = OperatorState.create(client, conflict_recheck_seconds=conflict_recheck_seconds)
+        self.priority = priority
+        """None: standalone; else a peering member ("fleetllm") with this priority."""
+        self.autoscale_interval = autoscale_interval
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="operator", daemon=True)
@@ -57,17 +68,20 @@ class RunningOperator:
         self.failure: BaseException | None = None
 
     def _main(self) -> None:
-        settings = make_settings(standalone=True)
+        standalone = self.priority is None
+        settings = make_settings(standalone=standalone, priority=self.priority)
         settings.scanning.disabled = True  # kmock cannot list namespaces or watch CRDs
         settings.watching.reconnect_backoff = 0.05
+        if not standalone:
+            settings.peering.clusterwide = False  # a KopfPeering in the served namespace
         try:
             asyncio.run(
                 kopf.operator(
-                    registry=build_registry(),
+                    registry=build_registry(self.autoscale_interval),
                     settings=settings,
                     memo=self.state,
                     namespaces=[NAMESPACE],
-                    standalone=True,
+                    standalone=standalone,
                     stop_flag=self._stop,
                     ready_flag=self._ready,
                 )
@@ -107,10 +121,11 @@ async def start_operator(
     default.write_text(kubeconfig_for(str(api.url).rstrip("/")))
 
     async def start(
-        kubeconfig: Path = default, conflict_recheck_seconds: float = 0.5
+        kubeconfig: Path = default, conflict_recheck_seconds: float = 0.5, **kwargs: Any
     ) -> RunningOperator:
+        """kwargs: user_agent, priority (a peering member), autoscale_interval."""
         load = functools.partial(load_credentials, kubeconfig=kubeconfig)
-        operator = RunningOperator(load, conflict_recheck_seconds)
+        operator = RunningOperator(load, conflict_recheck_seconds, **kwargs)
         running.append(operator)
         await operator.start()
         return operator

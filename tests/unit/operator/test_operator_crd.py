@@ -169,6 +169,12 @@ INVALID = {
     "usage above 1": ("spec.scaling.targetKVCacheUsage", 1.5),
     "min above max": ("spec.scaling.minReplicas", 9),
     "scale to zero needs min 0": ("spec.scaling.scaleToZeroAfterSeconds", 600),
+    "keda needs a Prometheus address": ("spec.scaling.mode", "keda"),
+    "hpa cannot scale to zero": (
+        "spec.scaling",
+        {"minReplicas": 0, "maxReplicas": 2, "mode": "hpa"},
+    ),
+    "unknown scaling mode": ("spec.scaling.mode", "vpa"),
     "routing strategy": ("spec.routing.strategy", "random"),
     "name not a DNS label": ("metadata.name", "Llama_8B"),
 }

@@ -15,7 +15,12 @@ from fleetllm.operator.api import LLMDEPLOYMENTS
 from fleetllm.operator.cli import config_from_args
 from fleetllm.operator.config import ModelCache, OperatorConfig
 from fleetllm.operator.install import monitoring_objects, operator_objects
-from fleetllm.operator.reconciler import CHILD_RESOURCES, READ_RESOURCES, is_subset
+from fleetllm.operator.reconciler import (
+    AUTOSCALER_RESOURCES,
+    CHILD_RESOURCES,
+    READ_RESOURCES,
+    is_subset,
+)
 from fleetllm.operator.render import selector_labels
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -146,6 +151,14 @@ def test_rbac_covers_every_resource_the_operator_touches() -> None:
         for verb in verbs:
             assert (group, ref.plural, verb) in granted, (kind, verb)
     assert ("fleetllm.io", "llmdeployments/status", "patch") in granted
+    # The autoscaler: the scale subresource, the engine pods (pod-deletion-cost), and the
+    # HPA or ScaledObject of spec.scaling.mode (and their removal when the mode changes).
+    assert ("fleetllm.io", "llmdeployments/scale", "patch") in granted
+    assert {("", "pods", v) for v in ("get", "list", "patch")} <= granted
+    for ref in AUTOSCALER_RESOURCES.values():
+        group = ref.api_version.rpartition("/")[0]
+        for verb in ("get", "create", "patch", "delete"):
+            assert (group, ref.plural, verb) in granted, (ref.kind, verb)
     assert ("", "events", "create") in granted
     assert ("kopf.dev", "clusterkopfpeerings", "patch") in granted
     assert ("", "persistentvolumeclaims", "create") not in granted

@@ -1,0 +1,276 @@
+"""The operator's autoscaler: one step for one LLMDeployment with `spec.scaling.mode: builtin`.
+
+A kopf timer (handlers.py) calls `Scaler.step` per LLMDeployment; under kopf peering only the
+leading operator runs timers. A step reads the scale subresource and the engine pods, scrapes
+the ready ones' /metrics (fleetllm.scrape), runs the control law (fleetllm.operator.autoscale)
+and, when the count changes, writes it:
+
+1. before a scale-down, each ready pod gets `controller.kubernetes.io/pod-deletion-cost` = the
+   requests in it, so the ReplicaSet removes the ones with the fewest first. A removed pod's
+   endpoint turns terminating, which the router's discovery reads as draining (no new
+   requests), and its preStop hook lets what it holds finish;
+2. spec.replicas through the scale subresource, guarded by the resourceVersion read, so a
+   count the router or a user wrote meanwhile is never overwritten;
+3. status.desiredReplicas, lastScaleTime and lastScaleReason, and an Event.
+The reconciler then carries spec.replicas to the Deployment and keeps the status.
+
+A count the law did not write that rises from zero is the router's demand (it scales a model
+from zero through the same subresource when it holds requests): the law is told, so it holds
+off scale-to-zero, and never fights it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from fleetllm.kube import PODS, ApiError, KubeClient
+from fleetllm.operator.api import LLMDEPLOYMENTS, parse_llmdeployment
+from fleetllm.operator.autoscale import Autoscaler, Decision, LawSettings, Observation
+from fleetllm.operator.planner import ENGINE_PORT
+from fleetllm.operator.render import selector_string
+from fleetllm.scrape import scrape_all
+
+logger = logging.getLogger("fleetllm.operator")
+
+FIELD_MANAGER = "fleetllm-autoscaler"
+POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+EVENT_REASONS = {
+    "up": "ScaledUp",
+    "down": "ScaledDown",
+    "to-zero": "ScaledToZero",
+    "from-zero": "ScaledFromZero",
+    "bounds": "ScaledToBounds",
+}
+# (body of the LLMDeployment, event type, reason, message)
+EventSink = Callable[[dict[str, Any], str, str, str], Awaitable[None]]
+
+
+def utcnow() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class _Tracked:
+    uid: str | None
+    law: Autoscaler
+    replicas: int | None = None
+    """spec.replicas after the last step (as read, or as written)."""
+    demand_time: float | None = None
+
+
+def ready_pods(pods: list[dict[str, Any]]) -> dict[str, str]:
+    """Pod name -> base URL of the engine pods that serve: Ready, with an IP, not going."""
+    found: dict[str, str] = {}
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        ip = status.get("podIP")
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        if not ready or not ip or meta.get("deletionTimestamp"):
+            continue
+        host = f"[{ip}]" if ":" in ip else ip
+        found[meta["name"]] = f"http://{host}:{_engine_port(pod)}"
+    return dict(sorted(found.items()))
+
+
+def _engine_port(pod: dict[str, Any]) -> int:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == "http" and isinstance(port.get("containerPort"), int):
+                return int(port["containerPort"])
+    return ENGINE_PORT
+
+
+def deletion_costs(in_flight: dict[str, float | None]) -> dict[str, int]:
+    """Pod name -> pod-deletion-cost: the requests it holds, so that the ReplicaSet removes
+    the least busy first; a pod whose load is unknown goes last."""
+    top = 2**31 - 1
+    return {
+        pod: top if load is None else min(top, math.ceil(load)) for pod, load in in_flight.items()
+    }
+
+
+class Scaler:
+    """The control law's state per LLMDeployment and the I/O around it."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        emit: EventSink,
+        *,
+        settings: LawSettings | None = None,
+        scrape_timeout: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], str] = utcnow,
+    ) -> None:
+        self.client = client
+        self._emit = emit
+        self._settings = settings
+        self._scrape_timeout = scrape_timeout
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._tracked: dict[tuple[str, str], _Tracked] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self.decisions: list[tuple[str, str, Decision]] = []
+        """(namespace, name, decision) of every change written, for tests and logs."""
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._tracked.pop((namespace, name), None)
+
+    async def step(self, body: dict[str, Any]) -> Decision | None:
+        """One step of the law for the LLMDeployment `body` (as kopf last saw it); the
+        decision, or None when it has no builtin scaling or is gone."""
+        meta = body.get("metadata") or {}
+        namespace, name = meta.get("namespace") or "default", meta.get("name") or ""
+        try:
+            cr = parse_llmdeployment(body, f"LLMDeployment {namespace}/{name}")
+        except ValueError:
+            return None  # the reconciler reports an invalid spec
+        scaling = cr.spec.scaling
+        if scaling is None or scaling.mode != "builtin":
+            self.forget(namespace, name)
+            return None
+        tracked = self._tracked.get((namespace, name))
+        if tracked is None or tracked.uid != meta.get("uid"):
+            tracked = _Tracked(uid=meta.get("uid"), law=Autoscaler(self._settings))
+            self._tracked[namespace, name] = tracked
+
+        scale = await self.client.get_scale(LLMDEPLOYMENTS, name, namespace)
+        if scale is None:
+            self.forget(namespace, name)
+            return None
+        replicas = int((scale.get("spec") or {}).get("replicas") or 0)
+        version = (scale.get("metadata") or {}).get("resourceVersion")
+        now = self._clock()
+        if tracked.replicas == 0 and replicas > 0:
+            tracked.demand_time = now  # raised from zero by someone else: the router's demand
+        tracked.replicas = replicas
+
+        listing = await self.client.list(PODS, namespace, label_selector=selector_string(name))
+        urls = ready_pods(listing.items)
+        scraped = await scrape_all(self._http(), urls.values(), self._scrape_timeout)
+        samples = {pod: scraped.get(url) for pod, url in urls.items()}
+        plan = (body.get("status") or {}).get("plan") or {}
+        capacity = plan.get("maxNumSeqs")
+        decision = tracked.law.decide(
+            scaling,
+            Observation(
+                time=now,
+                replicas=replicas,
+                ready_replicas=len(urls),
+                samples=samples,
+                replica_capacity=capacity if isinstance(capacity, int) else None,
+                demand_time=tracked.demand_time,
+            ),
+        )
+        if decision.replicas == replicas:
+            return decision
+
+        if decision.change == "down":
+            await self._set_deletion_costs(namespace, listing.items, urls, samples)
+        try:
+            await self.client.patch_scale(
+                LLMDEPLOYMENTS,
+                name,
+                decision.replicas,
+                namespace,
+                resource_version=version,
+                field_manager=FIELD_MANAGER,
+            )
+        except ApiError as exc:
+            if not exc.conflict:
+                raise
+            # Changed since it was read (the router, a user): look again next step.
+            logger.info(
+                "scale changed under the autoscaler; next step decides again",
+                extra={"llmdeployment": f"{namespace}/{name}"},
+            )
+            return decision
+        tracked.replicas = decision.replicas
+        await self._record(body, namespace, name, replicas, decision)
+        return decision
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def _set_deletion_costs(
+        self,
+        namespace: str,
+        pods: list[dict[str, Any]],
+        urls: dict[str, str],
+        samples: dict[str, Any],
+    ) -> None:
+        in_flight: dict[str, float | None] = {}
+        for pod in urls:
+            sample = samples.get(pod)
+            known = sample is not None and sample.complete
+            in_flight[pod] = (sample.running + sample.waiting) if known else None
+        current = {
+            (p.get("metadata") or {}).get("name"): (
+                (p.get("metadata") or {}).get("annotations") or {}
+            ).get(POD_DELETION_COST)
+            for p in pods
+        }
+        for pod, cost in deletion_costs(in_flight).items():
+            if current.get(pod) == str(cost):
+                continue
+            try:
+                await self.client.patch(
+                    PODS,
+                    pod,
+                    {"metadata": {"annotations": {POD_DELETION_COST: str(cost)}}},
+                    namespace,
+                    field_manager=FIELD_MANAGER,
+                )
+            except ApiError as exc:
+                if not exc.not_found:
+                    raise  # a pod gone since the list is one less to choose from
+
+    async def _record(
+        self,
+        body: dict[str, Any],
+        namespace: str,
+        name: str,
+        before: int,
+        decision: Decision,
+    ) -> None:
+        reason = f"{before} -> {decision.replicas}: {decision.reason}"
+        self.decisions.append((namespace, name, decision))
+        logger.info(
+            "scaled",
+            extra={
+                "llmdeployment": f"{namespace}/{name}",
+                "from": before,
+                "to": decision.replicas,
+                "change": decision.change,
+                "reason": decision.reason,
+            },
+        )
+        status = {
+            "desiredReplicas": decision.replicas,
+            "lastScaleTime": self._wall_clock(),
+            "lastScaleReason": reason[:4096],
+        }
+        try:
+            await self.client.patch_status(LLMDEPLOYMENTS, name, status, namespace)
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+        await self._emit(body, "Normal", EVENT_REASONS[decision.change], reason)

@@ -148,6 +148,7 @@ async def replicas() -> AsyncIterator[dict[str, str]]:
     a concurrent scraper reads them), one that never answers in time, one failing."""
     asked = 0
     all_asked = asyncio.Event()
+    done = asyncio.Event()
 
     async def together(_: web.Request) -> web.Response:
         nonlocal asked
@@ -158,7 +159,8 @@ async def replicas() -> AsyncIterator[dict[str, str]]:
         return web.Response(text="vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n")
 
     async def slow(_: web.Request) -> web.Response:
-        await asyncio.sleep(30)
+        # Answers only once the test is over: never within a scrape's timeout.
+        await done.wait()
         return web.Response(text="vllm:num_requests_running 9\n")
 
     async def failing(_: web.Request) -> web.Response:
@@ -178,6 +180,7 @@ async def replicas() -> AsyncIterator[dict[str, str]]:
         urls[name] = f"http://127.0.0.1:{port}"
         runners.append(runner)
     yield urls
+    done.set()
     for runner in runners:
         await runner.cleanup()
 

@@ -31,6 +31,7 @@ from fleetllm.operator.catalog import (
     find_model,
 )
 from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
+from fleetllm.operator.engine_args import ArgsRefused, flags_changed
 from fleetllm.operator.images import ENGINE_CUDA_IMAGE, ENGINE_IMAGE, VLLM_IMAGE
 
 BLOCK_SIZE = 16
@@ -657,7 +658,7 @@ def plan(
         max_num_seqs=max_num_seqs,
         batched=batched,
     )
-    _check_extra_args(spec)
+    _check_extra_args(spec, args)
     image = spec.engine.image or _default_image(spec, gpu)
     status = PlanStatus(
         backend=spec.engine.backend,
@@ -823,11 +824,33 @@ OWNED_FLAGS = {
 }
 
 
-def _check_extra_args(spec: LLMDeploymentSpec) -> None:
-    for arg in spec.engine.extra_args:
+def _check_extra_args(spec: LLMDeploymentSpec, planned: Sequence[str]) -> None:
+    extra = spec.engine.extra_args
+    for arg in extra:
         flag = arg.split("=", 1)[0]
         if flag in OWNED_FLAGS:
             raise PlanError(
                 "InvalidEngineArgs",
-                f"engine.extraArgs sets {flag}, which the planner owns; use {OWNED_FLAGS[flag]}",
+                f"engine.extraArgs sets {flag}, which the planner owns; {_instead(flag)}",
             )
+    if spec.engine.backend != "builtin" or not extra:
+        return  # vLLM's own CLI is not here to ask; it refuses unknown flags at start
+    try:
+        changed = flags_changed(planned, extra)
+    except ArgsRefused as exc:
+        raise PlanError(
+            "InvalidEngineArgs",
+            f"engine.extraArgs: `fleetllm engine serve` refuses {' '.join(extra)!r}: {exc}",
+        ) from None
+    owned = [flag for flag in changed if flag in OWNED_FLAGS]
+    if owned:
+        raise PlanError(
+            "InvalidEngineArgs",
+            f"engine.extraArgs sets {owned[0]} (under another spelling), which the planner "
+            f"owns; {_instead(owned[0])}",
+        )
+
+
+def _instead(flag: str) -> str:
+    field = OWNED_FLAGS[flag]
+    return "it is not configurable" if field.startswith("(") else f"use {field}"

@@ -212,6 +212,26 @@ class GPUSpec(_Model):
         return self
 
 
+DEFAULT_QUEUE_TIME_SECONDS = 1.0
+MAX_HPA_DELAY_SECONDS = 3600
+"""The longest scale-down stabilization window an HPA (and so KEDA) takes."""
+# What the modes hpa and keda cannot do as the builtin autoscaler does: refused rather than
+# silently done otherwise.
+KEDA_ZERO_MESSAGE = (
+    "mode keda with minReplicas 0 needs scaleToZeroAfterSeconds (KEDA scales an idle model to "
+    "zero after that cooldown; the builtin mode never does without it)"
+)
+HPA_DELAY_MESSAGE = (
+    f"modes hpa and keda take scaleDownDelaySeconds up to {MAX_HPA_DELAY_SECONDS} (the HPA's "
+    "longest stabilization window); use mode builtin for a longer delay"
+)
+HPA_QUEUE_MESSAGE = (
+    "mode hpa scales on KV-cache usage only (a queue-time p90 needs PromQL): "
+    f"targetQueueTimeSeconds other than {DEFAULT_QUEUE_TIME_SECONDS:g} takes effect with modes "
+    "builtin and keda"
+)
+
+
 class ScalingSpec(_Model):
     """Bounds and targets for the autoscaler. spec.replicas is kept within the bounds; without
     scaling, nothing but the user (and the router's scale from zero) changes it."""
@@ -235,6 +255,23 @@ class ScalingSpec(_Model):
                     "rule": "!has(self.mode) || self.mode != 'hpa' || self.minReplicas >= 1",
                     "message": "mode hpa needs minReplicas >= 1 (the HPA does not scale to zero)",
                 },
+                {
+                    "rule": "!has(self.mode) || self.mode != 'keda' || self.minReplicas >= 1"
+                    " || has(self.scaleToZeroAfterSeconds)",
+                    "message": KEDA_ZERO_MESSAGE,
+                },
+                {
+                    "rule": "!has(self.mode) || self.mode == 'builtin'"
+                    " || !has(self.scaleDownDelaySeconds)"
+                    f" || self.scaleDownDelaySeconds <= {MAX_HPA_DELAY_SECONDS}",
+                    "message": HPA_DELAY_MESSAGE,
+                },
+                {
+                    "rule": "!has(self.mode) || self.mode != 'hpa'"
+                    " || !has(self.targetQueueTimeSeconds)"
+                    f" || self.targetQueueTimeSeconds == {DEFAULT_QUEUE_TIME_SECONDS}",
+                    "message": HPA_QUEUE_MESSAGE,
+                },
             ]
         }
     )
@@ -249,7 +286,10 @@ class ScalingSpec(_Model):
         description="Scale up above this mean KV-cache usage (0..1).",
     )
     target_queue_time_seconds: float = Field(
-        1.0, gt=0, le=3600, description="Scale up when requests queue longer than this."
+        DEFAULT_QUEUE_TIME_SECONDS,
+        gt=0,
+        le=3600,
+        description="Scale up when requests queue longer than this.",
     )
     scale_down_delay_seconds: int = Field(
         300, ge=0, le=86400, description="Quiet time before removing a replica."
@@ -282,6 +322,16 @@ class ScalingSpec(_Model):
             raise ValueError("mode keda needs prometheusAddress")
         if self.mode == "hpa" and self.min_replicas < 1:
             raise ValueError("mode hpa needs minReplicas >= 1 (the HPA does not scale to zero)")
+        if (
+            self.mode == "keda"
+            and self.min_replicas == 0
+            and self.scale_to_zero_after_seconds is None
+        ):
+            raise ValueError(KEDA_ZERO_MESSAGE)
+        if self.mode != "builtin" and self.scale_down_delay_seconds > MAX_HPA_DELAY_SECONDS:
+            raise ValueError(HPA_DELAY_MESSAGE)
+        if self.mode == "hpa" and self.target_queue_time_seconds != DEFAULT_QUEUE_TIME_SECONDS:
+            raise ValueError(HPA_QUEUE_MESSAGE)
         return self
 
 

@@ -47,8 +47,6 @@ DOWNLOAD_SECONDS_PER_GIB = 20
 LOAD_SECONDS_PER_GIB = 10
 # The drain hook's source, passed inline: vLLM's image has python3 but not fleetllm.
 DRAIN_HOOK_SOURCE = Path(drain_hook.__file__).read_text(encoding="utf-8")
-# The longest scale-down stabilization window an HPA (and so KEDA) takes.
-MAX_STABILIZATION = 3600
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -486,11 +484,8 @@ def render_hpa(cr: LLMDeployment, scaling: ScalingSpec) -> dict[str, Any]:
                     "stabilizationWindowSeconds": 0,
                     "policies": [{"type": "Percent", "value": 100, "periodSeconds": 15}],
                 },
-                "scaleDown": {
-                    "stabilizationWindowSeconds": min(
-                        MAX_STABILIZATION, scaling.scale_down_delay_seconds
-                    )
-                },
+                # At most an hour, as the HPA takes (ScalingSpec refuses more for this mode).
+                "scaleDown": {"stabilizationWindowSeconds": scaling.scale_down_delay_seconds},
             },
         },
     }
@@ -546,15 +541,12 @@ def render_scaledobject(cr: LLMDeployment, scaling: ScalingSpec) -> dict[str, An
         "minReplicaCount": scaling.min_replicas,
         "maxReplicaCount": scaling.max_replicas,
         "pollingInterval": 15,
+        # Only minReplicas 0 reaches zero, and then scaleToZeroAfterSeconds is required.
         "cooldownPeriod": scaling.scale_to_zero_after_seconds or 300,
         "advanced": {
             "horizontalPodAutoscalerConfig": {
                 "behavior": {
-                    "scaleDown": {
-                        "stabilizationWindowSeconds": min(
-                            MAX_STABILIZATION, scaling.scale_down_delay_seconds
-                        )
-                    }
+                    "scaleDown": {"stabilizationWindowSeconds": scaling.scale_down_delay_seconds}
                 }
             }
         },

@@ -56,7 +56,7 @@ def test_builtin_mode_renders_no_autoscaler() -> None:
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_hpa_mode(version: str) -> None:
-    cr = deployment(mode="hpa", targetKVCacheUsage=0.75, scaleDownDelaySeconds=7200)
+    cr = deployment(mode="hpa", targetKVCacheUsage=0.75, scaleDownDelaySeconds=3600)
     objects = render(cr, plan(cr.spec))
     hpa = objects[-1]
     assert hpa["kind"] == "HorizontalPodAutoscaler"
@@ -72,7 +72,7 @@ def test_hpa_mode(version: str) -> None:
     (metric,) = spec["metrics"]
     assert metric["pods"]["metric"]["name"] == "vllm:kv_cache_usage_perc"
     assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "750m"}
-    # The HPA caps its window at an hour.
+    # The HPA's longest window (a longer delay is refused for this mode).
     assert spec["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 3600
     assert hpa["metadata"]["ownerReferences"][0]["kind"] == "LLMDeployment"
     assert hpa["metadata"]["labels"]["fleetllm.io/model"] == "llama-3.1-8b-instruct"
@@ -148,8 +148,35 @@ def test_the_keda_schema_check_is_strict() -> None:
         ({"mode": "hpa", "minReplicas": 0}, "mode hpa needs minReplicas >= 1"),
         ({"mode": "vpa"}, "mode"),
         ({"mode": "keda", "prometheusAddress": "prometheus:9090"}, "prometheusAddress"),
+        # What the HPA (under KEDA too) cannot do as the builtin mode does is refused, not
+        # done otherwise in silence.
+        (
+            {"mode": "keda", "prometheusAddress": "http://p:9090", "minReplicas": 0},
+            "mode keda with minReplicas 0 needs scaleToZeroAfterSeconds",
+        ),
+        (
+            {"mode": "hpa", "scaleDownDelaySeconds": 3601},
+            "modes hpa and keda take scaleDownDelaySeconds up to 3600",
+        ),
+        (
+            {"mode": "keda", "prometheusAddress": "http://p:9090", "scaleDownDelaySeconds": 7200},
+            "use mode builtin for a longer delay",
+        ),
+        (
+            {"mode": "hpa", "targetQueueTimeSeconds": 0.5},
+            "mode hpa scales on KV-cache usage only",
+        ),
     ],
 )
 def test_invalid_modes_are_refused(scaling: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         deployment(**scaling)
+
+
+def test_what_only_the_builtin_mode_does_stays_accepted_there() -> None:
+    cr = deployment(minReplicas=0, scaleDownDelaySeconds=7200, targetQueueTimeSeconds=0.5)
+    assert cr.spec.scaling is not None and cr.spec.scaling.mode == "builtin"
+    keda = deployment(
+        mode="keda", prometheusAddress="http://p:9090", targetQueueTimeSeconds=0.5
+    ).spec.scaling
+    assert keda is not None and keda.target_queue_time_seconds == 0.5

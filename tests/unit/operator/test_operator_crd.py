@@ -175,6 +175,27 @@ INVALID = {
         {"minReplicas": 0, "maxReplicas": 2, "mode": "hpa"},
     ),
     "unknown scaling mode": ("spec.scaling.mode", "vpa"),
+    "keda to zero needs a cooldown": (
+        "spec.scaling",
+        {"minReplicas": 0, "maxReplicas": 2, "mode": "keda", "prometheusAddress": "http://p:9"},
+    ),
+    "hpa delay beyond an hour": (
+        "spec.scaling",
+        {"maxReplicas": 2, "mode": "hpa", "scaleDownDelaySeconds": 3601},
+    ),
+    "keda delay beyond an hour": (
+        "spec.scaling",
+        {
+            "maxReplicas": 2,
+            "mode": "keda",
+            "prometheusAddress": "http://p:9",
+            "scaleDownDelaySeconds": 86400,
+        },
+    ),
+    "hpa queue time target": (
+        "spec.scaling",
+        {"maxReplicas": 2, "mode": "hpa", "targetQueueTimeSeconds": 0.25},
+    ),
     "routing strategy": ("spec.routing.strategy", "random"),
     "name not a DNS label": ("metadata.name", "Llama_8B"),
 }
@@ -204,3 +225,25 @@ def test_model_errors_name_the_field() -> None:
     doc = _set(BASE, "spec.scaling.minReplicas", 9)
     with pytest.raises(ValueError, match="minReplicas 9 exceeds maxReplicas 4"):
         parse_llmdeployment(doc, "llama.yaml")
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"minReplicas": 0, "maxReplicas": 2, "scaleDownDelaySeconds": 86400},
+        {"maxReplicas": 2, "mode": "hpa", "scaleDownDelaySeconds": 3600},
+        {"maxReplicas": 2, "mode": "hpa", "targetQueueTimeSeconds": 1.0},
+        {
+            "minReplicas": 0,
+            "maxReplicas": 2,
+            "mode": "keda",
+            "prometheusAddress": "http://p:9",
+            "scaleToZeroAfterSeconds": 600,
+            "targetQueueTimeSeconds": 0.25,
+        },
+    ],
+)
+def test_the_autoscaler_rules_accept_what_each_mode_does(scaling: dict[str, Any]) -> None:
+    doc = _set(BASE, "spec.scaling", scaling)
+    assert schema_errors(doc) == []
+    parse_llmdeployment(doc)

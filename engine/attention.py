@@ -3,8 +3,9 @@
 The model runner flattens one step's tokens into a single batch: decodes (one new token each)
 first, then prefill chunks. `AttentionMetadata` describes that batch once per step; every layer
 reuses it. `TorchPagedAttention` is the reference backend: it writes the new K/V into their
-cache slots, gathers each sequence's context from its blocks and runs SDPA. A fused kernel
-(e.g. a GPU paged-attention kernel) is another class with the same two methods.
+cache slots, gathers each sequence's context from its blocks and runs SDPA; it runs on any
+device. A faster backend overrides its `decode` and/or `prefill` (the Triton kernels of
+`triton_attention.py` on CUDA, chosen per phase by measurement: `select_backend`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,17 @@ class PrefillChunk:
 
 
 @dataclass
+class PrefillBatch:
+    """All prefill chunks of a step as tensors, for kernels that take them in one launch."""
+
+    tables: torch.Tensor  # [num_chunks, max_blocks] block ids, padded with the null block
+    q_starts: torch.Tensor  # [num_chunks] first row of each chunk in the batch
+    q_lens: torch.Tensor  # [num_chunks]
+    context_lens: torch.Tensor  # [num_chunks] tokens in the cache after the step
+    max_q_len: int
+
+
+@dataclass
 class AttentionMetadata:
     block_size: int
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
@@ -37,6 +49,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes] tokens in each context
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
+    prefill_batch: PrefillBatch | None = None
 
 
 def build_metadata(
@@ -70,6 +83,19 @@ def build_metadata(
         )
     chunks: list[PrefillChunk] = []
     start = len(decodes)
+    prefill_batch = None
+    if prefills:
+        ctx_lens = [computed + qlen for _, computed, qlen in prefills]
+        width = -(-max(ctx_lens) // block_size)
+        q_lens = [qlen for _, _, qlen in prefills]
+        q_starts = [start + sum(q_lens[:i]) for i in range(len(q_lens))]
+        prefill_batch = PrefillBatch(
+            tables=torch.stack([table[:width] for table, _, _ in prefills]).to(device),
+            q_starts=torch.tensor(q_starts, dtype=torch.long, device=device),
+            q_lens=torch.tensor(q_lens, dtype=torch.long, device=device),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.long, device=device),
+            max_q_len=max(q_lens),
+        )
     for table, computed, qlen in prefills:
         ctx = computed + qlen
         table_t = table[: -(-ctx // block_size)].to(device)
@@ -91,6 +117,7 @@ def build_metadata(
         decode_context_lens=decode_lens,
         decode_mask=decode_mask,
         prefills=chunks,
+        prefill_batch=prefill_batch,
     )
 
 
@@ -130,24 +157,50 @@ class TorchPagedAttention:
         k_cache.index_copy_(0, md.slot_mapping, k)
         v_cache.index_copy_(0, md.slot_mapping, v)
         out = torch.empty_like(q)
+        if md.num_decodes:
+            self.decode(q, k_cache, v_cache, md, out)
+        if md.prefills:
+            self.prefill(q, k, v, k_cache, v_cache, md, out)
+        return out
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Rows [0, num_decodes) of `out`: one query each over its sequence's cache."""
         n = md.num_decodes
-        if n:
-            assert md.decode_tables is not None
-            # Whole blocks at a time: one contiguous copy per block, not per token.
-            flat = md.decode_tables.view(-1)
-            kd = _gather_blocks(k_cache, flat, n, md.block_size)
-            vd = _gather_blocks(v_cache, flat, n, md.block_size)
-            # Each kv head's query heads form its query rows (a decode needs no causal mask):
-            # one dense attention per kv head instead of a grouped-query expansion.
-            group = self.num_heads // self.num_kv_heads
-            o = F.scaled_dot_product_attention(
-                q[:n].view(n, self.num_kv_heads, group, self.head_dim),
-                kd.transpose(1, 2),
-                vd.transpose(1, 2),
-                attn_mask=md.decode_mask,
-                scale=self.scale,
-            )
-            out[:n] = o.reshape(n, self.num_heads, self.head_dim)
+        assert md.decode_tables is not None
+        # Whole blocks at a time: one contiguous copy per block, not per token.
+        flat = md.decode_tables.view(-1)
+        kd = _gather_blocks(k_cache, flat, n, md.block_size)
+        vd = _gather_blocks(v_cache, flat, n, md.block_size)
+        # Each kv head's query heads form its query rows (a decode needs no causal mask):
+        # one dense attention per kv head instead of a grouped-query expansion.
+        group = self.num_heads // self.num_kv_heads
+        o = F.scaled_dot_product_attention(
+            q[:n].view(n, self.num_kv_heads, group, self.head_dim),
+            kd.transpose(1, 2),
+            vd.transpose(1, 2),
+            attn_mask=md.decode_mask,
+            scale=self.scale,
+        )
+        out[:n] = o.reshape(n, self.num_heads, self.head_dim)
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """The rows of every prefill chunk: causal over its cached context and itself."""
         for chunk in md.prefills:
             rows = slice(chunk.start, chunk.start + chunk.query_len)
             qc = q[rows].transpose(0, 1).unsqueeze(0)
@@ -166,4 +219,3 @@ class TorchPagedAttention:
                 enable_gqa=True,
             )
             out[rows] = o[0].transpose(0, 1)
-        return out

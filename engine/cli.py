@@ -100,6 +100,17 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
         help="load no tokenizer: prompts must be token ids, outputs carry no text",
     )
     p.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="dummy: random weights of the model's shapes, for benchmarks (no checkpoint read)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("FLEETLLM_API_KEY"),
         help="require 'Authorization: Bearer <key>' on the API (default: $FLEETLLM_API_KEY)",
@@ -182,6 +193,8 @@ def _serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=args.device,
         num_threads=args.num_threads,
+        enforce_eager=args.enforce_eager,
+        load_format=args.load_format,
         skip_tokenizer_init=args.skip_tokenizer_init,
     )
     # Fail fast, before binding, on what can be checked without loading the weights.

@@ -181,6 +181,8 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     skip_tokenizer_init: bool = False
+    enforce_eager: bool = False  # CUDA: no decode graphs
+    load_format: str = "auto"  # "dummy": random weights of the checkpoint's shapes
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -199,5 +201,7 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")

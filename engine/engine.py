@@ -90,7 +90,13 @@ class LLMEngine:
             self.tokenizer.stop_token_ids if self.tokenizer else frozenset(cfg.eos_token_ids)
         )
         self.model = load_model(
-            self.model_dir, cfg, self.dtype, self.device, self.max_model_len, config.max_num_seqs
+            self.model_dir,
+            cfg,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            config.max_num_seqs,
+            config.load_format,
         )
         num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         if num_blocks * config.block_size < self.max_model_len:
@@ -101,10 +107,18 @@ class LLMEngine:
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(
-            self.model, cfg, self.kv, self.dtype, self.device, self.max_model_len
+            self.model,
+            cfg,
+            self.kv,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            enforce_eager=config.enforce_eager,
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        # Unseeded draws come from the device; seeded requests draw on the CPU (sampler.py).
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._texts: dict[str, _OutputText] = {}
         self._prompt_tokens = 0
@@ -342,7 +356,10 @@ class LLMEngine:
     def _token_counts(self, req: Request) -> TokenCounts:
         if req.token_counts is None:
             req.token_counts = TokenCounts(
-                self.model_config.vocab_size, req.prompt_token_ids, req.output_token_ids
+                self.model_config.vocab_size,
+                req.prompt_token_ids,
+                req.output_token_ids,
+                self.device,
             )
         return req.token_counts
 

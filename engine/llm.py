@@ -45,6 +45,8 @@ class LLM:
         device: str = "cpu",
         num_threads: int | None = None,
         skip_tokenizer_init: bool = False,
+        enforce_eager: bool = False,
+        load_format: str = "auto",
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -61,6 +63,8 @@ class LLM:
                 device=device,
                 num_threads=num_threads,
                 skip_tokenizer_init=skip_tokenizer_init,
+                enforce_eager=enforce_eager,
+                load_format=load_format,
             )
         )
         self._ids = itertools.count()

@@ -30,6 +30,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_model(
     model_dir: Path,
     cfg: ModelConfig,
@@ -37,11 +40,55 @@ def load_model(
     device: torch.device,
     max_positions: int,
     batch_hint: int = 1,
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
     """`batch_hint`: the usual number of rows per forward (the decode batch), for kernels that
-    lay their weights out for a batch size."""
+    lay their weights out for a batch size. `load_format="dummy"` (vLLM's name) reads no
+    checkpoint: the weights are random, for benchmarks of a model's shapes."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
+    if load_format == "dummy":
+        _random_weights(model, dtype, device)
+    else:
+        _load_checkpoint(model, model_dir, cfg, dtype, device)
+    # Buffers are not in the checkpoint; build the RoPE tables for real.
+    model.model.rotary = RotaryEmbedding(cfg, max_positions).to(device)
+    model.eval()
+    packed = pack_linear_layers(model, batch_hint) if packing_supported(dtype, device) else 0
+    log.info(
+        "loaded model",
+        extra={
+            "model_dir": str(model_dir),
+            "dtype": str(dtype),
+            "load_format": load_format,
+            "packed_linears": packed,
+        },
+    )
+    return model
+
+
+@torch.inference_mode()
+def _random_weights(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
+    """Allocated straight in `dtype` on `device` (no float32 copy of a large model), drawn
+    from a fixed seed: norms 1, everything else N(0, 0.02)."""
+    model.to(dtype).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _load_checkpoint(
+    model: LlamaForCausalLM,
+    model_dir: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     expected = set(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -80,20 +127,6 @@ def load_model(
     model.load_state_dict(weights, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # Buffers are not in the checkpoint; build the RoPE tables for real.
-    model.model.rotary = RotaryEmbedding(cfg, max_positions).to(device)
-    model.eval()
-    packed = pack_linear_layers(model, batch_hint) if packing_supported(dtype, device) else 0
-    log.info(
-        "loaded model",
-        extra={
-            "model_dir": str(model_dir),
-            "dtype": str(dtype),
-            "tensors": len(weights),
-            "packed_linears": packed,
-        },
-    )
-    return model
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:

@@ -1,8 +1,14 @@
 """Runs one scheduled step through the model: builds the flattened batch and its attention
-metadata, owns the KV cache tensors, and returns the logits of the rows to sample."""
+metadata, owns the KV cache tensors, and returns the logits of the rows to sample.
+
+On CUDA it also sets the model up for the GPU: the Triton paged-attention kernels where they
+measure faster than the torch reference (triton_attention.py), and decode steps replayed from
+CUDA graphs (cuda_graphs.py) unless `enforce_eager`.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -11,8 +17,11 @@ import torch
 from fleetllm.engine.attention import AttentionMetadata, build_metadata
 from fleetllm.engine.block_manager import NULL_BLOCK, KVCacheManager
 from fleetllm.engine.config import ModelConfig
+from fleetllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from fleetllm.engine.model import LlamaForCausalLM
 from fleetllm.engine.scheduler import ScheduledRequest
+
+log = logging.getLogger(__name__)
 
 
 class BlockTables:
@@ -60,6 +69,8 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int,
+        max_num_seqs: int = 1,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -79,6 +90,50 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self._zero_blocks(range(NULL_BLOCK, NULL_BLOCK + 1))
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda":
+            self._setup_gpu(max_model_len, max_num_seqs, enforce_eager)
+
+    def _setup_gpu(self, max_model_len: int, max_num_seqs: int, enforce_eager: bool) -> None:
+        try:
+            from fleetllm.engine import triton_attention
+        except ImportError:
+            log.warning("triton is not installed: attention runs on the torch reference")
+            return
+        attn = self.model.model.layers[0].self_attn.attn  # this device's heads
+        k_cache, v_cache = self.kv_caches[0]
+        backend = triton_attention.measured_backend(
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            attn.scale,
+            k_cache,
+            v_cache,
+            self.block_size,
+            self.kv.num_blocks,
+            max_model_len,
+            max_num_seqs,
+        )
+        if not enforce_eager:
+            # A graph replays fixed shapes: the kernel's decode, reading whole table rows.
+            backend.triton_decode = True
+        self.model.set_attention(backend)
+        log.info(
+            "attention backend",
+            extra={
+                "decode": "triton" if backend.triton_decode else "torch",
+                "prefill": "triton" if backend.triton_prefill else "torch",
+            },
+        )
+        if not enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.block_size,
+                self.block_tables.width,
+                capture_sizes(max_num_seqs),
+                self.device,
+            )
 
     def _zero_blocks(self, blocks: range) -> None:
         if blocks:
@@ -92,8 +147,7 @@ class ModelRunner:
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
         for s in batch:
-            is_decode = s.num_new_tokens == 1 and s.request.num_computed_tokens > 0
-            (decodes if is_decode else prefills).append(s)
+            (decodes if _is_decode(s) else prefills).append(s)
         ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
@@ -135,6 +189,26 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
         """Float32 logits [num_sampled, vocab] and the requests they belong to."""
         self._zero_blocks(self.kv.take_fresh_blocks())
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and len(batch) <= graphs.max_size
+            and all(_is_decode(s) and s.samples for s in batch)
+        ):
+            reqs = [s.request for s in batch]
+            tables = [self.block_tables.row(r.request_id) for r in reqs]
+            self.block_tables.retain(r.request_id for r in reqs)
+            logits = graphs.run(
+                [r.all_token_ids[r.num_computed_tokens] for r in reqs],
+                [r.num_computed_tokens for r in reqs],
+                tables,
+                [r.num_computed_tokens + 1 for r in reqs],
+            )
+            return logits, batch
         inp = self.prepare(batch)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
         return self.model.compute_logits(hidden[inp.logits_indices]), inp.sampled
+
+
+def _is_decode(s: ScheduledRequest) -> bool:
+    return s.num_new_tokens == 1 and s.request.num_computed_tokens > 0

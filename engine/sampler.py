@@ -7,6 +7,10 @@ distribution, before any processing, as vLLM reports them by default.
 A failure in the work done for one row (masking, penalties, filtering, its own generator,
 logprobs) fails that row only: it is reported in `SampleResult.errors` and the other rows are
 sampled as usual.
+
+On a GPU the whole batch is sampled on the device and read back in one transfer (the tokens,
+and the logprob figures when asked for): the host waits for the device once per step, not
+once per row or token.
 """
 
 from __future__ import annotations
@@ -25,11 +29,17 @@ class TokenCounts:
     """A request's token counts over the vocabulary, for penalties: built once, then updated
     per generated token, so a step never passes over the whole output."""
 
-    def __init__(self, vocab: int, prompt: Sequence[int], output: Sequence[int]) -> None:
-        out = torch.tensor(list(output), dtype=torch.long)
+    def __init__(
+        self,
+        vocab: int,
+        prompt: Sequence[int],
+        output: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        out = torch.tensor(list(output), dtype=torch.long, device=device)
         self.output = torch.bincount(out, minlength=vocab)[:vocab].to(torch.float32)
         self.seen = self.output > 0  # in the prompt or the output
-        self.seen[torch.tensor(list(prompt), dtype=torch.long)] = True
+        self.seen[torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
 
     def add(self, token_id: int) -> None:
         self.output[token_id] += 1
@@ -78,7 +88,7 @@ def _penalize(logits: torch.Tensor, i: int, row: SamplingRow) -> None:
     if not p.has_penalties:
         return
     vocab = logits.shape[1]
-    tc = row.counts or TokenCounts(vocab, row.prompt_token_ids, row.output_token_ids)
+    tc = row.counts or TokenCounts(vocab, row.prompt_token_ids, row.output_token_ids, logits.device)
     counts = tc.output.to(logits.dtype)
     if p.repetition_penalty != 1.0:
         rp = p.repetition_penalty
@@ -131,11 +141,13 @@ def sample(
                 _penalize(logits, i, row)
 
     # max() returns the first maximal index like argmax, and is faster on CPU.
-    token_ids = logits.max(dim=-1).indices.tolist()
+    tokens = logits.max(dim=-1).indices
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         scaled = logits[random_rows] / torch.tensor(
-            [[rows[i].params.temperature] for i in random_rows], dtype=logits.dtype
+            [[rows[i].params.temperature] for i in random_rows],
+            dtype=logits.dtype,
+            device=logits.device,
         )
         for j, i in enumerate(random_rows):
             if needs_filtering(rows[i].params):
@@ -147,33 +159,74 @@ def sample(
         # not depend on what else is in the batch.
         noise = torch.empty_like(probs)
         if all(rows[i].generator is None for i in random_rows):
-            noise.exponential_(generator=generator)
+            _exponential(noise, generator)
         else:
             for j, i in enumerate(random_rows):
                 with result.guard(i):
-                    noise[j].exponential_(generator=rows[i].generator or generator)
-        picks = (probs / noise).argmax(-1).tolist()
-        for j, i in enumerate(random_rows):
-            token_ids[i] = picks[j]
+                    _exponential(noise[j], rows[i].generator or generator)
+        picks = (probs / noise).argmax(-1)
+        tokens = tokens.index_put((torch.tensor(random_rows, device=logits.device),), picks)
 
-    result.token_ids = token_ids
-    if raw_logprobs is not None:
-        for i, row in enumerate(rows):
-            if row.params.logprobs is not None:
-                with result.guard(i):
-                    result.logprobs[i] = _logprobs(
-                        raw_logprobs[i], token_ids[i], row.params.logprobs
-                    )
+    wanted = [
+        (i, row.params.logprobs) for i, row in enumerate(rows) if row.params.logprobs is not None
+    ]
+    if raw_logprobs is None or not wanted:
+        result.token_ids = tokens.tolist()
+        return result
+    # Everything the logprobs need, computed for all their rows at once and read back with
+    # the tokens in a single transfer (token ids are exact in float64).
+    try:
+        figures = _logprob_figures(raw_logprobs, tokens, wanted)
+    except Exception as exc:
+        for i, _ in wanted:
+            result.errors.setdefault(i, exc)
+        result.token_ids = tokens.tolist()
+        return result
+    packed = torch.cat([tokens.double(), figures.flatten()]).tolist()
+    result.token_ids = [int(t) for t in packed[: len(rows)]]
+    width = figures.shape[1]
+    top_n = (width - 2) // 2
+    for k, (i, n) in enumerate(wanted):
+        row_figures = packed[len(rows) + k * width : len(rows) + (k + 1) * width]
+        with result.guard(i):
+            result.logprobs[i] = _logprobs(result.token_ids[i], row_figures, n, top_n)
     return result
 
 
-def _logprobs(lp: torch.Tensor, tok: int, n: int) -> tuple[float, dict[int, Logprob]]:
-    tok_lp = float(lp[tok])
-    entries = {tok: Logprob(tok_lp, int((lp > lp[tok]).sum()) + 1)}
-    if n:
-        top = torch.topk(lp, n)
-        for rank, (value, idx) in enumerate(
-            zip(top.values.tolist(), top.indices.tolist(), strict=True), 1
-        ):
-            entries.setdefault(idx, Logprob(value, rank))
+def _logprob_figures(
+    raw_logprobs: torch.Tensor, tokens: torch.Tensor, wanted: list[tuple[int, int]]
+) -> torch.Tensor:
+    """Per wanted row: the sampled token's logprob, its rank, the top-n logprobs and their
+    token ids (n the largest asked for), as one float64 matrix."""
+    top_n = max(n for _, n in wanted)
+    index = torch.tensor([i for i, _ in wanted], device=raw_logprobs.device)
+    lp = raw_logprobs[index]
+    chosen = lp.gather(1, tokens[index][:, None])
+    ranks = (lp > chosen).sum(-1, keepdim=True) + 1
+    parts = [chosen.double(), ranks.double()]
+    if top_n:
+        top = torch.topk(lp, top_n)
+        parts += [top.values.double(), top.indices.double()]
+    return torch.cat(parts, dim=1)
+
+
+def _exponential(noise: torch.Tensor, generator: torch.Generator) -> None:
+    """Fill with Exp(1) draws from `generator`, wherever it lives: a seeded request's generator
+    is on the CPU, so its draws are the same on every device."""
+    if generator.device == noise.device:
+        noise.exponential_(generator=generator)
+    else:
+        noise.copy_(torch.empty(noise.shape).exponential_(generator=generator))
+
+
+def _logprobs(
+    tok: int, figures: list[float], n: int, top_n: int
+) -> tuple[float, dict[int, Logprob]]:
+    """One row's (sampled token's logprob, entries) from its figures: the token's logprob and
+    rank, then the top_n values and their token ids."""
+    tok_lp, rank = figures[0], int(figures[1])
+    entries = {tok: Logprob(tok_lp, rank)}
+    values, ids = figures[2 : 2 + top_n], figures[2 + top_n :]
+    for r in range(n):
+        entries.setdefault(int(ids[r]), Logprob(values[r], r + 1))
     return tok_lp, entries

@@ -1,7 +1,7 @@
 """A step's own work does not grow with the length of the outputs so far.
 
 Counted, not timed: the Python calls a step makes (C functions included) and the Python
-memory it allocates at its peak, for the same batch at output length 50 and 1000. A step
+memory it allocates at its peak, for the same batch at output length 50 and 600. A step
 that copied each request's output, rescanned its text or rebuilt its block table from the
 start would show up in both. (The attention kernels' reads of the KV cache do grow with the
 context, as they must; they are single calls into torch, allocating no Python memory.)
@@ -22,7 +22,7 @@ from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
 
-SHORT, LONG = 50, 1000
+SHORT, LONG = 50, 600
 WINDOW = 16  # steps measured at each length: one block's worth, so block allocation is typical
 
 
@@ -30,7 +30,7 @@ WINDOW = 16  # steps measured at each length: one block's worth, so block alloca
 def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
     path = write_tiny_chat_model(tmp_path_factory.mktemp("step-cost"), max_position_embeddings=4096)
     # One thread: the counts do not depend on it, and it never spins waiting for a core.
-    llm = LLM(str(path), dtype="float32", max_model_len=1200, num_kv_blocks=600, num_threads=1)
+    llm = LLM(str(path), dtype="float32", max_model_len=800, num_kv_blocks=400, num_threads=1)
     return llm.engine
 
 

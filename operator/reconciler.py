@@ -60,6 +60,8 @@ AUTOSCALER_RESOURCES: dict[str, Resource] = {
     "ScaledObject": SCALEDOBJECTS,
 }
 AUTOSCALER_KINDS = {"hpa": "HorizontalPodAutoscaler", "keda": "ScaledObject"}
+# The API server's answers to an object it will never accept as written (BadRequest, Invalid).
+INVALID_STATUSES = (400, 422)
 RESOURCES: dict[str, Resource] = {**CHILD_RESOURCES, **AUTOSCALER_RESOURCES}
 # Read only: whether the replicas can share a model's claim.
 READ_RESOURCES: dict[str, Resource] = {"PersistentVolumeClaim": PERSISTENTVOLUMECLAIMS}
@@ -123,6 +125,9 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)
     unavailable: str | None = None
     """Why the spec.scaling.mode's autoscaler could not be created."""
+    rejected: list[str] = field(default_factory=list)
+    """Children the API server refused as invalid ("KIND NAME: its message"): the spec passes
+    something through that Kubernetes does not accept (pod.*, engine.env valueFrom)."""
     status_written: bool = False
 
 
@@ -206,6 +211,10 @@ class Reconciler:
                     try:
                         live[kind] = await self.client.apply(RESOURCES[kind], desired)
                     except ApiError as exc:
+                        if exc.status in INVALID_STATUSES:
+                            # Retrying cannot help: the status says what to fix in the spec.
+                            result.rejected.append(f"{kind} {child}: {exc.message}")
+                            continue
                         if kind != "ScaledObject" or not exc.not_found:
                             raise
                         result.unavailable = (
@@ -233,6 +242,7 @@ class Reconciler:
             self._clock(),
             conflicts=result.conflicts,
             unavailable=result.unavailable,
+            rejected=result.rejected,
         )
         if status != old_status:
             removed = {key: None for key in old_status if key not in status}
@@ -309,6 +319,7 @@ class Reconciler:
                     "applied": result.applied,
                     "deleted": result.deleted,
                     "conflicts": result.conflicts,
+                    "rejected": result.rejected,
                     "status_written": result.status_written,
                 },
             )

@@ -81,6 +81,13 @@ def conflict_message(conflicts: list[str]) -> str:
     )
 
 
+def rejected_message(rejected: list[str]) -> str:
+    return (
+        f"the API server refuses {'; '.join(rejected)}. Fix the spec fields passed through "
+        "to it (pod.*, engine.env, engine.image); what runs keeps running until then"
+    )
+
+
 def build_status(
     cr: LLMDeployment | None,
     name: str,
@@ -92,13 +99,16 @@ def build_status(
     now: str,
     conflicts: list[str] | None = None,
     unavailable: str | None = None,
+    rejected: list[str] | None = None,
 ) -> tuple[dict[str, Any], list[Transition]]:
     """The new status (as the API stores it) and the conditions that changed. `conflicts`
     names children ("Service NAME") whose names are taken by objects not owned by this
     LLMDeployment: nothing was applied. `unavailable` says why spec.scaling.mode's
-    autoscaler could not be created."""
+    autoscaler could not be created. `rejected`: children the API server refused as invalid
+    ("KIND NAME: its message")."""
     desired = cr.spec.desired_replicas() if cr is not None else 0
     conflict = conflict_message(conflicts) if conflicts else None
+    refused = rejected_message(rejected) if rejected else None
     replicas, ready, settled, failure = _deployment_counts(deployment)
     planned = isinstance(outcome, Plan)
 
@@ -112,6 +122,8 @@ def build_status(
         conds.append(("Progressing", "False", "PlanRefused", "the spec is not applied"))
     elif conflict is not None:
         conds.append(("Progressing", "False", "Conflict", conflict))
+    elif refused is not None:
+        conds.append(("Progressing", "False", "Rejected", refused))
     elif deployment is None:
         conds.append(("Progressing", "True", "Creating", "creating the engine Deployment"))
     elif settled:
@@ -139,6 +151,8 @@ def build_status(
 
     if conflict is not None:
         conds.append(("Degraded", "True", "Conflict", conflict))
+    elif refused is not None:
+        conds.append(("Degraded", "True", "Rejected", refused))
     elif failure is not None:
         conds.append(("Degraded", "True", "RolloutFailing", failure))
     elif unavailable is not None:

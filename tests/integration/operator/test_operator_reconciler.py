@@ -320,3 +320,53 @@ async def test_a_claim_two_replicas_cannot_share_is_refused_with_the_reason(
     await eventually(lambda: all(_children(api, "on-claim").values()), "children with 1 replica")
     deployment = api.get(DEPLOYMENTS, "on-claim-engine")
     assert _arg(deployment, "--model") == "/models/smollm2"
+
+
+async def test_a_child_the_api_server_refuses_is_reported_in_the_status(
+    api: Any, start_operator: Any, eventually: Any
+) -> None:
+    """pod.affinity is passed through as written: when the API server refuses the Deployment
+    made from it (422), the status says so with the server's message, the rest is applied, and
+    fixing the spec applies the Deployment."""
+    await start_operator()
+    body = copy.deepcopy(SMOLLM2)
+    body["metadata"]["name"] = "bad-pod"
+    body["spec"]["pod"] = {"affinity": {"podAntiAffinity": {"preferredSoon": []}}}
+    await _create(api, body)
+    cr = await eventually(
+        lambda: (
+            (c := api.get(CR, "bad-pod"))
+            and (_condition(c, "Degraded") or {}).get("reason") == "Rejected"
+            and c
+        ),
+        "Degraded: Rejected",
+    )
+    degraded = _condition(cr, "Degraded")
+    assert degraded["status"] == "True"
+    assert "Deployment bad-pod-engine" in degraded["message"]
+    assert "preferredSoon" in degraded["message"]
+    assert _condition(cr, "Progressing")["reason"] == "Rejected"
+    assert _condition(cr, "Planned")["status"] == "True"
+    children = _children(api, "bad-pod")
+    assert children["Deployment"] is None
+    assert children["Service"] is not None and children["ConfigMap"] is not None
+    await eventually(lambda: _events(api, "Rejected", "preferredSoon"), "a Warning Event")
+
+    async with api.patch(
+        f"{CRS}/bad-pod",
+        json={"spec": {"pod": {"affinity": None}}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    ) as response:
+        assert response.status == 200
+    await eventually(lambda: api.get(DEPLOYMENTS, "bad-pod-engine"), "the Deployment after the fix")
+    await eventually(
+        lambda: _condition(api.get(CR, "bad-pod"), "Degraded")["status"] == "False",
+        "Degraded=False after the fix",
+    )
+    # The refusals this test causes, and only those (any other invalid write fails the test).
+    assert api.validation_errors
+    assert all(
+        e.startswith("Deployment bad-pod-engine:") and "preferredSoon" in e
+        for e in api.validation_errors
+    ), api.validation_errors
+    api.validation_errors.clear()

@@ -154,3 +154,17 @@ def test_a_conflict_is_reported_and_outranks_a_failing_rollout() -> None:
     conflict = [t for t in transitions if t.reason == "Conflict"]
     assert {t.type for t in conflict} == {"Progressing", "Degraded"}
     assert any(t.warning for t in conflict)
+
+
+def test_a_child_the_api_server_refuses_is_reported_with_its_message() -> None:
+    rejected = ["Deployment smol-engine: spec.template.spec.affinity: Invalid value"]
+    status, transitions = build_status(
+        CR, "smol", "ml", 4, PLAN, _deployment(), None, "T1", rejected=rejected
+    )
+    conds = _conds(status)
+    assert conds["Degraded"] == ("True", "Rejected")
+    assert conds["Progressing"] == ("False", "Rejected")
+    assert conds["Ready"] == ("True", "Serving")  # what ran before keeps serving
+    message = next(c["message"] for c in status["conditions"] if c["type"] == "Degraded")
+    assert "Deployment smol-engine: spec.template.spec.affinity: Invalid value" in message
+    assert any(t.type == "Degraded" and t.warning for t in transitions)

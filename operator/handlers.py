@@ -235,9 +235,19 @@ async def _recheck_conflicts(memo: OperatorState) -> None:
                 )
 
 
+def exact_namespaces(namespaces: list[str]) -> bool:
+    """Whether the namespaces are plain names (no kopf glob patterns or negations)."""
+    return bool(namespaces) and not any(set(ns) & set("*?[]!,") for ns in namespaces)
+
+
 def make_settings(
-    *, standalone: bool, peering: str | None = None, priority: int | None = None
+    *,
+    standalone: bool,
+    peering: str | None = None,
+    priority: int | None = None,
+    namespaces: list[str] | None = None,
 ) -> kopf.OperatorSettings:
+    """kopf's settings; `namespaces` are those served (None or empty: all of them)."""
     settings = kopf.OperatorSettings()
     # Progress and the last handled spec go into fleetllm.io annotations, never into status,
     # whose schema belongs to the CRD.
@@ -258,6 +268,10 @@ def make_settings(
         group, _, version = resource.api_version.rpartition("/")
         settings.watching.label_selectors[group, version, resource.plural] = CHILD_SELECTOR
     settings.execution.max_workers = 4
+    # Served namespaces given by name leave nothing to discover: kopf then neither lists and
+    # watches every namespace nor watches CRDs, which a namespace-scoped install may not read
+    # (the LLMDeployment CRD must exist when the operator starts, as Helm's crds/ ensure).
+    settings.scanning.disabled = exact_namespaces(namespaces or [])
     settings.peering.standalone = standalone
     if not standalone:
         settings.peering.mandatory = True
@@ -286,7 +300,12 @@ def run(
         verbose=verbose, log_format=kopf.LogFormat.JSON if log_json else kopf.LogFormat.FULL
     )
     load_credentials()  # fail fast, with a clear message, when there are no credentials at all
-    settings = make_settings(standalone=standalone, peering=peering, priority=priority)
+    settings = make_settings(
+        standalone=standalone,
+        peering=peering,
+        priority=priority,
+        namespaces=[] if clusterwide else namespaces,
+    )
     client = KubeClient(load_credentials, user_agent=COMPONENT)
     kopf.run(
         registry=build_registry(autoscale_interval),

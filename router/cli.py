@@ -48,8 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--namespace",
-        help="kubernetes: namespace to watch (default: the pod's own, else all); with "
-        "--all-namespaces, the home namespace whose models plain model names reach first",
+        action="append",
+        help="kubernetes: namespace to watch, repeatable (default: the pod's own, else all; "
+        "with several, model ids become NAMESPACE/MODEL and plain names reach the first); "
+        "with --all-namespaces, the home namespace whose models plain model names reach first",
     )
     g.add_argument(
         "--all-namespaces",
@@ -234,8 +236,13 @@ def _serve(args: argparse.Namespace) -> int:
     discovery: Discovery
     if args.discovery == "kubernetes":
         assert kube is not None
-        home = args.namespace or own_namespace
-        discovery = KubernetesDiscovery(kube, None if args.all_namespaces else home, home)
+        namespaces = args.namespace or ([own_namespace] if own_namespace else [])
+        if args.all_namespaces:
+            if len(namespaces) > 1:
+                raise ValueError("--all-namespaces takes one --namespace at most (the home one)")
+            discovery = KubernetesDiscovery(kube, None, namespaces[0] if namespaces else None)
+        else:
+            discovery = KubernetesDiscovery(kube, namespaces or None)
     else:
         if args.fleet_file is None and not args.admin_key:
             raise ValueError("static discovery needs --fleet-file or --admin-key (or both)")

@@ -5,9 +5,10 @@ Two sources publish the same `Fleet` value:
   changes; the local fleet writes it. A bad edit is logged and the last good fleet stays.
 - `kubernetes`: watches of LLMDeployments (served model name, routing, spec.replicas), of the
   Services the operator rendered for them (named after the LLMDeployment, controlled by it)
-  and of those Services' EndpointSlices (controlled by the Service). Ready endpoints take
-  requests; terminating ones are draining. With all namespaces, model ids are
-  `NAMESPACE/MODEL` (see `build_fleet`).
+  and of those Services' EndpointSlices (controlled by the Service), in one namespace, several
+  (one watch each: a namespace-scoped install has no cluster-wide access) or all. Ready
+  endpoints take requests; terminating ones are draining. With all namespaces or several,
+  model ids are `NAMESPACE/MODEL` (see `build_fleet`).
 
 A model with no ready replica is still part of the fleet: its requests are held, and its
 source is asked for capacity (`signal_demand`).
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -56,6 +57,8 @@ class ModelRoute:
     owner: tuple[str, str] | None = None
     """(namespace, name) of the LLMDeployment behind the model, where there is one."""
     desired_replicas: int | None = None
+    max_replicas: int | None = None
+    """spec.scaling.maxReplicas of that LLMDeployment, where it scales."""
     served_name: str | None = None
     """The engines' name for the model, where it differs from `name` (the id clients use)."""
     aliases: tuple[str, ...] = ()
@@ -240,6 +243,7 @@ class DeploymentInfo:
     model: str
     routing: RoutingSpec
     replicas: int | None
+    max_replicas: int | None = None
 
 
 @dataclass(frozen=True)
@@ -289,6 +293,8 @@ def parse_deployment(obj: Mapping[str, Any]) -> DeploymentInfo | None:
         )
         routing = RoutingSpec()
     replicas = spec.get("replicas")
+    scaling = spec.get("scaling")
+    max_replicas = scaling.get("maxReplicas") if isinstance(scaling, Mapping) else None
     return DeploymentInfo(
         namespace=meta.get("namespace") or "default",
         name=meta["name"],
@@ -296,6 +302,7 @@ def parse_deployment(obj: Mapping[str, Any]) -> DeploymentInfo | None:
         model=model,
         routing=routing,
         replicas=replicas if isinstance(replicas, int) else None,
+        max_replicas=max_replicas if isinstance(max_replicas, int) else None,
     )
 
 
@@ -362,9 +369,9 @@ def build_fleet(
     controlled by that Service. Two LLMDeployments of one namespace serving one model name
     share its replicas; the first by name decides routing and receives demand.
 
-    Ids are `NAMESPACE/MODEL` when `qualified` (all namespaces), so no namespace can take
-    another's traffic; the plain model name is an alias where it is unambiguous: served in
-    `home_namespace`, else in exactly one namespace. Unqualified (one namespace), ids are
+    Ids are `NAMESPACE/MODEL` when `qualified` (all namespaces, or several), so no namespace
+    can take another's traffic; the plain model name is an alias where it is unambiguous:
+    served in `home_namespace`, else in exactly one namespace. Unqualified (one namespace), ids are
     plain model names and `NAMESPACE/MODEL` is the alias."""
     ours = {(s.namespace, s.name): s for s in services.values() if s.owner_uid is not None}
     endpoints: dict[tuple[str, str, str], dict[str, ReplicaRef]] = {}
@@ -391,6 +398,7 @@ def build_fleet(
                 d.routing,
                 (d.namespace, d.name),
                 d.replicas,
+                d.max_replicas,
                 served_name=d.model,
                 aliases=() if qualified else (f"{d.namespace}/{d.model}",),
             )
@@ -435,51 +443,69 @@ def _safely(parse: Callable[[Mapping[str, Any]], Any]) -> Callable[[Mapping[str,
 
 
 class KubernetesDiscovery:
-    """Follows LLMDeployments, the operator's Services and their EndpointSlices in one
-    namespace (or all, `namespace=None`); children by a server-side label selector."""
+    """Follows LLMDeployments, the operator's Services and their EndpointSlices in the given
+    namespaces (or all, `namespaces=None`); children by a server-side label selector. Model
+    ids are `NAMESPACE/MODEL` unless exactly one namespace is followed (see `build_fleet`);
+    plain names reach `home_namespace` first (the first namespace given, by default)."""
 
     def __init__(
         self,
         client: KubeClient,
-        namespace: str | None,
+        namespaces: Sequence[str] | None,
         home_namespace: str | None = None,
         backoff: Backoff | None = None,
     ) -> None:
+        if namespaces is not None and not namespaces:
+            raise ValueError("Kubernetes discovery needs at least one namespace, or None for all")
         self.client = client
-        self.namespace = namespace
-        self.home_namespace = namespace or home_namespace
+        self.namespaces = list(dict.fromkeys(namespaces)) if namespaces is not None else None
+        self.home_namespace = home_namespace or (self.namespaces[0] if self.namespaces else None)
         self.backoff = backoff
         self._stores: dict[str, dict[Any, Any]] = {"deployments": {}, "services": {}, "slices": {}}
-        self._synced: set[str] = set()
+        self._synced: set[tuple[str, str | None]] = set()
         self._publish: Publish | None = None
 
+    @property
+    def _scopes(self) -> list[str | None]:
+        """What each store follows: one list/watch per namespace, or one for all of them."""
+        return list(self.namespaces) if self.namespaces is not None else [None]
+
     def _changed(self) -> None:
-        if self._publish is not None and len(self._synced) == len(self._stores):
+        if self._publish is not None and len(self._synced) == len(self._stores) * len(self._scopes):
             self._publish(
                 build_fleet(
                     self._stores["deployments"],
                     self._stores["services"],
                     self._stores["slices"],
-                    qualified=self.namespace is None,
+                    qualified=self.namespaces is None or len(self.namespaces) > 1,
                     home_namespace=self.home_namespace,
                 )
             )
 
     async def run(self, publish: Publish) -> None:
         self._publish = publish
+        follows = (
+            ("deployments", LLMDEPLOYMENTS, parse_deployment),
+            ("services", SERVICES, parse_service),
+            ("slices", ENDPOINTSLICES, parse_endpoint_slice),
+        )
         try:
             async with asyncio.TaskGroup() as group:
-                group.create_task(self._follow("deployments", LLMDEPLOYMENTS, parse_deployment))
-                group.create_task(self._follow("services", SERVICES, parse_service))
-                group.create_task(self._follow("slices", ENDPOINTSLICES, parse_endpoint_slice))
+                for scope in self._scopes:
+                    for store_name, resource, parse in follows:
+                        group.create_task(self._follow(store_name, resource, parse, scope))
         finally:
             await self.client.close()
 
     async def _follow(
-        self, store_name: str, resource: Resource, parse: Callable[[Mapping[str, Any]], Any]
+        self,
+        store_name: str,
+        resource: Resource,
+        parse: Callable[[Mapping[str, Any]], Any],
+        namespace: str | None,
     ) -> None:
-        """Keep one store in line with the API: a resync replaces it whole, so missed or
-        repeated events cannot leave stale entries."""
+        """Keep one store in line with the API in one namespace (or all): a resync replaces
+        that namespace's entries whole, so missed or repeated events cannot leave stale ones."""
         store = self._stores[store_name]
         parse = _safely(parse)
         selector = None if resource is LLMDEPLOYMENTS else CHILD_SELECTOR
@@ -490,14 +516,15 @@ class KubernetesDiscovery:
             return (meta.get("namespace") or "", meta.get("name") or "")
 
         async for item in self.client.follow(
-            resource, self.namespace, label_selector=selector, backoff=backoff
+            resource, namespace, label_selector=selector, backoff=backoff
         ):
             if isinstance(item, Resync):
-                store.clear()
+                for stale in [k for k in store if namespace is None or k[0] == namespace]:
+                    del store[stale]
                 for obj in item.items:
                     if (parsed := parse(obj)) is not None:
                         store[key(obj)] = parsed
-                self._synced.add(store_name)
+                self._synced.add((store_name, namespace))
             else:
                 parsed = parse(item.object) if item.type != "DELETED" else None
                 if parsed is None:

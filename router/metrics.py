@@ -91,6 +91,20 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        # From the LLMDeployment (Kubernetes discovery): with replica_up, the dashboard's
+        # desired/ready replicas and the alert on a model held at its maximum.
+        self.desired_replicas = Gauge(
+            "fleetllm:router_model_desired_replicas",
+            "Replicas the model's LLMDeployment asks for (spec.replicas).",
+            ["model"],
+            registry=r,
+        )
+        self.max_replicas = Gauge(
+            "fleetllm:router_model_max_replicas",
+            "The autoscaler's bound on the model's replicas (spec.scaling.maxReplicas).",
+            ["model"],
+            registry=r,
+        )
 
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
 
@@ -111,6 +125,18 @@ class RouterMetrics:
                     del self._children[key]
                     with contextlib.suppress(KeyError):
                         metric.remove(*labels)
+
+    def set_model_replicas(self, model: str, desired: int | None, maximum: int | None) -> None:
+        """Publish a model's desired and maximum replicas; an unknown value has no series."""
+        for metric, value in ((self.desired_replicas, desired), (self.max_replicas, maximum)):
+            if value is None:
+                with contextlib.suppress(KeyError):
+                    metric.remove(model)
+            else:
+                metric.labels(model).set(value)
+
+    def forget_model(self, model: str) -> None:
+        self.set_model_replicas(model, None, None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

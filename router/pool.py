@@ -190,6 +190,7 @@ class ReplicaPool:
                 model.removed = True
                 for url in list(model.replicas):
                     self._drop_replica(model, url)
+                self.metrics.forget_model(name)
                 model.hold.notify()
         self.aliases = {alias: name for name, route in fleet.items() for alias in route.aliases}
         for name, route in fleet.items():
@@ -198,6 +199,7 @@ class ReplicaPool:
                 model = self.models[name] = ModelPool(route, self.settings)
             else:
                 model.configure(route, self.settings)
+            self.metrics.set_model_replicas(name, route.desired_replicas, route.max_replicas)
             if any(has_credentials(ref.url) for ref in route.replicas):
                 log.error("model %s: replica URLs with credentials are ignored", name)
             wanted = {ref.url: ref for ref in route.replicas if not has_credentials(ref.url)}

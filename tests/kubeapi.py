@@ -7,7 +7,8 @@ what our clients rely on from a real API server (kmock 0.8 lacks it):
   resourceVersion;
 - status-subresource rules: /status writes only status, the main resource never does;
 - the scale subresource (GET answers an autoscaling/v1 Scale, PATCH sets spec.replicas);
-- server-side apply creates a missing object (merge semantics otherwise, as in kmock);
+- server-side apply creates a missing object (merge semantics otherwise, as in kmock), and
+  is then recorded (`created_by_apply`: a real server authorizes it as create as well);
 - writes of a kind the server does not know answer 404 (e.g. a CRD that is not installed);
 - a failed JSON-patch `test` operation answers 422, not 500;
 - label selectors (`k=v`, `k!=v`, `k`, `!k`) on lists and watches;
@@ -114,6 +115,8 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
     """Answer the next continue token with 410 Gone."""
     authorizations: list[tuple[str, str]] = attrs.field(factory=list, init=False)
     """(User-Agent, Authorization) of every request, in order."""
+    created_by_apply: list[rendering.Request] = attrs.field(factory=list, init=False)
+    """Server-side applies that created their object (authorized as create, too)."""
     validation_errors: list[str] = attrs.field(factory=list, init=False)
     _rv: int = attrs.field(default=0, init=False)
     _compacted: int = attrs.field(default=0, init=False)
@@ -234,6 +237,7 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         content_type = request.headers.get("Content-Type", "")
         if request.action == kmock.action.UPDATE and not exists:
             if "apply-patch" in content_type and request.subresource is None:
+                self.created_by_apply.append(request)
                 return await self._create(resource, namespace, request.data or {})
             raise kmock.KubernetesObjectNotFoundError()
         if not exists:

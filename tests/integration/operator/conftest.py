@@ -45,7 +45,12 @@ class _CycleCounter(logging.Handler):
 
 
 class RunningOperator:
-    """The operator in its own thread and event loop, as in production (one process)."""
+    """The operator in its own thread and event loop, as in production (one process).
+
+    By default it serves NAMESPACE standalone (or, with a `priority`, as a member of the
+    KopfPeering "fleetllm" there), without kopf's cluster scanning (which these tests do not
+    need). With `settings`, it runs with those (say, the production ones), on `namespaces`,
+    or cluster-wide when that is None."""
 
     def __init__(
         self,
@@ -55,12 +60,16 @@ class RunningOperator:
         user_agent: str = "fleetllm-operator",
         priority: int | None = None,
         autoscale_interval: float = 5.0,
+        settings: kopf.OperatorSettings | None = None,
+        namespaces: list[str] | None = [NAMESPACE],  # noqa: B006 - never mutated
     ) -> None:
         client = KubeClient(load, user_agent=user_agent)
         self.state = OperatorState.create(client, conflict_recheck_seconds=conflict_recheck_seconds)
         self.priority = priority
         """None: standalone; else a peering member ("fleetllm") with this priority."""
         self.autoscale_interval = autoscale_interval
+        self.settings = settings
+        self.namespaces = namespaces
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="operator", daemon=True)
@@ -68,20 +77,20 @@ class RunningOperator:
         self.failure: BaseException | None = None
 
     def _main(self) -> None:
-        standalone = self.priority is None
-        settings = make_settings(standalone=standalone, priority=self.priority)
-        settings.scanning.disabled = True  # kmock cannot list namespaces or watch CRDs
+        settings = self.settings
+        if settings is None:
+            settings = make_settings(standalone=self.priority is None, priority=self.priority)
+            settings.scanning.disabled = True  # kmock cannot list namespaces
         settings.watching.reconnect_backoff = 0.05
-        if not standalone:
-            settings.peering.clusterwide = False  # a KopfPeering in the served namespace
         try:
             asyncio.run(
                 kopf.operator(
                     registry=build_registry(self.autoscale_interval),
                     settings=settings,
                     memo=self.state,
-                    namespaces=[NAMESPACE],
-                    standalone=standalone,
+                    clusterwide=self.namespaces is None,
+                    namespaces=self.namespaces or [],
+                    standalone=settings.peering.standalone,
                     stop_flag=self._stop,
                     ready_flag=self._ready,
                 )
@@ -123,7 +132,8 @@ async def start_operator(
     async def start(
         kubeconfig: Path = default, conflict_recheck_seconds: float = 0.5, **kwargs: Any
     ) -> RunningOperator:
-        """kwargs: user_agent, priority (a peering member), autoscale_interval."""
+        """kwargs: user_agent, priority (a peering member), autoscale_interval, settings,
+        namespaces (see RunningOperator)."""
         load = functools.partial(load_credentials, kubeconfig=kubeconfig)
         operator = RunningOperator(load, conflict_recheck_seconds, **kwargs)
         running.append(operator)

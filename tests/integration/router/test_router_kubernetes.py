@@ -1,7 +1,8 @@
 """Kubernetes discovery against the emulated API server (tests/kubeapi.py): `fleetllm router
 serve --discovery kubernetes`, logged in through a kubeconfig, routes to the EndpointSlices of
 the Service the operator rendered for each LLMDeployment (and to no other), leaves terminating
-endpoints alone, keys models by namespace with `--all-namespaces`, and scales a model up from
+endpoints alone, keys models by namespace with `--all-namespaces` or several `--namespace`
+(watching only those), and scales a model up from
 zero through the scale subresource when its requests are held.
 
 The emulator filters by label selector on the server side, as a real API server does, and
@@ -257,9 +258,16 @@ def _cr(name: str, model: str, ns: str = NS) -> dict[str, Any]:
     }
 
 
-async def test_all_namespaces_keys_models_by_namespace(
-    api: Any, engines: EngineFleet, tmp_path: Path
+@pytest.mark.parametrize(
+    "scope",
+    [("--all-namespaces",), ("--namespace", "team-a", "--namespace", "team-b")],
+    ids=["all-namespaces", "two-namespaces"],
+)
+async def test_all_or_several_namespaces_key_models_by_namespace(
+    api: Any, engines: EngineFleet, tmp_path: Path, scope: tuple[str, ...]
 ) -> None:
+    """Cluster-wide, or namespace by namespace (as a namespace-scoped install, which may
+    not list across namespaces, runs it): the same fleet."""
     first, second = engines.alpha[0], engines.alpha[1]
     uid_a = await _model(api, "chat", "alpha", 1, "least-load", ns="team-a")
     await _write(
@@ -275,12 +283,16 @@ async def test_all_namespaces_keys_models_by_namespace(
         api, "POST", _slices("team-b"), _slice("x", "chat", uid_a, "alpha", second.port, "team-b")
     )
 
-    router = _router(api, tmp_path, "--all-namespaces")
+    # A namespace outside the watched ones is not seen.
+    await _model(api, "other", "gamma", 1, "least-load", ns="team-c")
+    extra = ["team-c/gamma"] if scope == ("--all-namespaces",) else []
+
+    router = _router(api, tmp_path, *scope)
     await asyncio.to_thread(router.wait_healthy)
     try:
         async with httpx.AsyncClient(timeout=GUARD) as client:
             await async_wait_until(
-                lambda: _has(_lister(client, router), ["team-a/alpha", "team-b/alpha"]),
+                lambda: _has(_lister(client, router), ["team-a/alpha", "team-b/alpha", *extra]),
                 "both namespaces' models discovered",
                 GUARD,
             )
@@ -289,17 +301,23 @@ async def test_all_namespaces_keys_models_by_namespace(
             )
             assert set(await _send(client, router, "team-a/alpha", 4)) == {first.url}
             assert set(await _send(client, router, "team-b/alpha", 4)) == {second.url}
-            r = await client.post(
-                f"{router.url}/v1/completions",
-                json={"model": "alpha", "prompt": "x", "max_tokens": 2},
-            )
-            assert r.status_code == 404
-            assert "team-a/alpha, team-b/alpha" in r.json()["error"]["message"]
+            if extra:
+                r = await client.post(
+                    f"{router.url}/v1/completions",
+                    json={"model": "alpha", "prompt": "x", "max_tokens": 2},
+                )
+                assert r.status_code == 404
+                assert "team-a/alpha, team-b/alpha" in r.json()["error"]["message"]
+            else:
+                # The first namespace given is the home one: plain names reach it first.
+                assert set(await _send(client, router, "alpha", 2)) == {first.url}
 
             # Once team-b's model is gone, the plain name is unambiguous again.
             await _write(api, "DELETE", f"{_crs('team-b')}/chat")
             await async_wait_until(
-                lambda: _has(_lister(client, router), ["team-a/alpha"]), "team-b gone", GUARD
+                lambda: _has(_lister(client, router), ["team-a/alpha", *extra]),
+                "team-b gone",
+                GUARD,
             )
             assert set(await _send(client, router, "alpha", 3)) == {first.url}
     finally:

@@ -18,6 +18,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from fleetllm.operator.api import LLMDeployment, LLMDeploymentSpec, load_llmdeployments
 from fleetllm.operator.catalog import (
@@ -30,7 +31,6 @@ from fleetllm.operator.catalog import (
 )
 from fleetllm.operator.config import ModelCache, OperatorConfig
 from fleetllm.operator.images import BUILT_IMAGES, UPSTREAM_IMAGES, VLLM_IMAGE, built_image
-from fleetllm.operator.install import base_objects
 from fleetllm.operator.planner import PlanError, plan
 from fleetllm.operator.render import render
 from fleetllm.version import __version__
@@ -120,10 +120,11 @@ def test_every_image_the_renderer_and_the_manifests_use_is_built_here_or_the_pin
         for container in _containers(pod)
     }
     assert VLLM_IMAGE in used
+    # manifests/base is the chart with its default values (test_chart_manifests.py).
     used |= {
         container["image"]
-        for obj in base_objects()
-        if obj["kind"] == "Deployment"
+        for obj in yaml.safe_load_all((ROOT / "manifests" / "base" / "fleetllm.yaml").read_text())
+        if obj and obj["kind"] == "Deployment"
         for container in obj["spec"]["template"]["spec"]["containers"]
     }
     built = {image.reference for image in BUILT_IMAGES}
@@ -225,7 +226,7 @@ def test_the_control_plane_commands_run_without_the_engines_dependencies(tmp_pat
         "import fleetllm.operator.handlers, fleetllm.router.server, fleetllm.engine.pull\n"
         "from fleetllm.cli import main\n"
         "for argv in (['operator', 'run', '--help'], ['router', 'serve', '--help'],\n"
-        "             ['model', 'pull', '--help'], ['manifests']):\n"
+        "             ['model', 'pull', '--help'], ['crds']):\n"
         "    try:\n"
         "        main(argv)\n"
         "    except SystemExit as exc:\n"

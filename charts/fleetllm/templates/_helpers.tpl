@@ -1,0 +1,85 @@
+{{/* The release's base name: the release name, or release-chart when it lacks "fleetllm". */}}
+{{- define "fleetllm.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "fleetllm.operator.name" -}}{{ include "fleetllm.fullname" . }}-operator{{- end -}}
+{{- define "fleetllm.router.name" -}}{{ include "fleetllm.fullname" . }}-router{{- end -}}
+{{- define "fleetllm.peering" -}}{{ .Values.operator.peering | default (include "fleetllm.fullname" .) }}{{- end -}}
+
+{{/* Labels that select one component's pods; they never change across upgrades. */}}
+{{- define "fleetllm.selectorLabels" -}}
+app.kubernetes.io/name: fleetllm
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Every object's labels: the selector labels, the version and the manager. Never
+"app.kubernetes.io/managed-by: fleetllm": the operator watches objects with that label. */}}
+{{- define "fleetllm.labels" -}}
+{{ include "fleetllm.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: fleetllm
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
+{{- end -}}
+
+{{- define "fleetllm.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* The restricted Pod Security Standard, for the pod and its container. */}}
+{{- define "fleetllm.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 1000
+runAsGroup: 1000
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "fleetllm.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop:
+    - ALL
+{{- end -}}
+
+{{/* Spread a component's replicas over nodes, where the scheduler can. */}}
+{{- define "fleetllm.spread" -}}
+- maxSkew: 1
+  topologyKey: kubernetes.io/hostname
+  whenUnsatisfiable: ScheduleAnyway
+  labelSelector:
+    matchLabels:
+      {{- include "fleetllm.selectorLabels" . | nindent 6 }}
+{{- end -}}
+
+{{/* Scheduling and pod extras shared by both Deployments; . is the component's values. */}}
+{{- define "fleetllm.podScheduling" -}}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The namespaces engines run in, for the NetworkPolicy and the PodMonitor. */}}
+{{- define "fleetllm.engineNamespaces" -}}
+{{- toJson (.Values.networkPolicy.namespaces | default .Values.watchNamespaces) -}}
+{{- end -}}

@@ -1,0 +1,317 @@
+"""Least privilege, derived from the code's own calls.
+
+The chart is rendered (cluster-wide, and namespace-scoped for two namespaces); the operator
+(kopf with the production settings and peering, its reconciler) and the router (the real
+`fleetllm router serve` process, with the arguments the chart gives it) then run against the
+emulated API server through a whole life: LLMDeployments appear in the watched namespaces,
+with a model on a claim the operator reads, at zero replicas; the operator plans and applies
+their children, writes status and Events; a client asks the router for each model, which
+scales it up from zero; the operator follows. Every request the server saw is turned into the
+attributes Kubernetes authorizes (tests/rbac.py), and the rendered RBAC must allow every one
+of them and grant nothing else: no verb, resource or namespace that no call used, no
+wildcard, no Secret beyond the router's one key Secret, by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kmock
+import pytest
+from helmchart import NAMESPACE as RELEASE_NAMESPACE
+from helmchart import by_kind, render
+from kubeapi import EmulatedApiServer, kubeconfig_for
+from rbac import Attributes, Grant, allows, attributes, grants, wildcards
+
+from fleetllm.cli import build_parser
+from fleetllm.operator.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from fleetllm.operator.handlers import make_settings
+
+pytestmark = [
+    pytest.mark.asyncio,
+    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
+]
+
+CLUSTER_NAMESPACES = ["default", "team-x"]
+KEY = "sk-rbac-test-key"
+MODEL = "smollm2-135m"
+# Children the operator watches and the router follows: always by the operator's label.
+CHILD_SELECTOR = "app.kubernetes.io/managed-by=fleetllm"
+CHILD_KINDS = {"configmaps", "services", "deployments", "poddisruptionbudgets", "endpointslices"}
+CR_RESOURCE = f"{GROUP}/{VERSION}/{PLURAL}"
+
+
+def _container_args(objects: list[dict[str, Any]], component: str) -> list[str]:
+    (deployment,) = [
+        d
+        for d in by_kind(objects, "Deployment")
+        if d["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return [*container["command"][1:], *container["args"]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _post(api: EmulatedApiServer, path: str, body: dict[str, Any]) -> None:
+    async with api.request("POST", path, json=body) as response:
+        assert response.status in (200, 201), await response.text()
+
+
+def _register_peerings(api: EmulatedApiServer) -> None:
+    for plural, kind, namespaced in (
+        ("clusterkopfpeerings", "ClusterKopfPeering", False),
+        ("kopfpeerings", "KopfPeering", True),
+    ):
+        api.resources[f"kopf.dev/v1/{plural}"] = kmock.ResourceInfo(
+            kind=kind,
+            singular=kind.lower(),
+            namespaced=namespaced,
+            verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+        )
+
+
+async def _seed(api: EmulatedApiServer, objects: list[dict[str, Any]], homes: list[str]) -> None:
+    """What exists before the control plane starts: the chart's peering objects, the router's
+    key Secret, and in each namespace a claim holding the model."""
+    for peering in by_kind(objects, "ClusterKopfPeering"):
+        await _post(api, "/apis/kopf.dev/v1/clusterkopfpeerings", peering)
+    for peering in by_kind(objects, "KopfPeering"):
+        namespace = peering["metadata"]["namespace"]
+        await _post(api, f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings", peering)
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "fleetllm-router-keys", "namespace": RELEASE_NAMESPACE},
+        "data": {"rbac-test": base64.b64encode(KEY.encode()).decode()},
+    }
+    await _post(api, f"/api/v1/namespaces/{RELEASE_NAMESPACE}/secrets", secret)
+    for namespace in homes:
+        claim = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "models", "namespace": namespace},
+            "spec": {
+                "accessModes": ["ReadOnlyMany"],
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        }
+        await _post(api, f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", claim)
+
+
+def _llmdeployment(namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": "smol", "namespace": namespace},
+        "spec": {
+            "model": {
+                "name": MODEL,
+                "source": "pvc://models/smollm2",
+                "architecture": "SmolLM2-135M",
+            },
+            "gpu": {"type": "cpu"},
+            "maxModelLen": 2048,
+            "replicas": 0,
+        },
+    }
+
+
+class RouterProcess:
+    """`fleetllm router serve` with the chart's arguments, logged in through a kubeconfig."""
+
+    def __init__(self, args: list[str], kubeconfig: Path, log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = log.open("wb")
+        args = [a for a in args if not a.startswith(("--port=", "--shutdown-timeout="))]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fleetllm.cli", *args, "--host=127.0.0.1",
+             f"--port={self.port}", "--hold-timeout=1", "--shutdown-timeout=1"],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+        )  # fmt: skip
+        self.log = log
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+async def _live_control_plane(
+    api: EmulatedApiServer,
+    start_operator: Callable[..., Any],
+    eventually: Callable[..., Any],
+    tmp_path: Path,
+    objects: list[dict[str, Any]],
+) -> list[str]:
+    """Run the operator and the router as the chart configures them through one life of the
+    fleet; the namespaces the models lived in."""
+    parser = build_parser()
+    operator_args = parser.parse_args(_container_args(objects, "operator"))
+    namespaces = None if operator_args.all_namespaces else operator_args.namespaces
+    homes = namespaces or CLUSTER_NAMESPACES
+    _register_peerings(api)
+    await _seed(api, objects, homes)
+
+    settings = make_settings(
+        standalone=operator_args.standalone,
+        peering=operator_args.peering,
+        priority=1,
+        namespaces=namespaces,
+    )
+    operator = await start_operator(settings=settings, namespaces=namespaces)
+    kubeconfig = tmp_path / "router-kubeconfig"
+    kubeconfig.write_text(kubeconfig_for(str(api.url).rstrip("/")))
+    router = RouterProcess(_container_args(objects, "router"), kubeconfig, tmp_path / "router.log")
+    try:
+        for namespace in homes:
+            await _post(api, f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}",
+                        _llmdeployment(namespace))  # fmt: skip
+
+        def planned() -> bool:
+            return all(
+                (api.get(CR_RESOURCE, "smol", ns) or {}).get("status", {}).get("plan")
+                and api.get("apps/v1/deployments", "smol-engine", ns)
+                for ns in homes
+            )
+
+        await eventually(planned, "every LLMDeployment planned, its children applied", 60)
+
+        async with httpx.AsyncClient(timeout=30) as client:
+
+            async def router_ready() -> bool:
+                try:
+                    return (await client.get(f"{router.url}/health")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            deadline = asyncio.get_running_loop().time() + 60
+            while not await router_ready():
+                assert router.proc.poll() is None, router.log.read_text()
+                assert asyncio.get_running_loop().time() < deadline, router.log.read_text()
+                await asyncio.sleep(0.2)
+            # Held (no replica runs), then 503: meanwhile the router scales each model up.
+            answers = await asyncio.gather(
+                *(
+                    client.post(
+                        f"{router.url}/v1/completions",
+                        json={"model": f"{ns}/{MODEL}", "prompt": "hi", "max_tokens": 1},
+                        headers={"Authorization": f"Bearer {KEY}"},
+                    )
+                    for ns in homes
+                )
+            )
+            assert [a.status_code for a in answers] == [503] * len(homes), [a.text for a in answers]
+
+        def scaled_up() -> bool:
+            return all(
+                (api.get("apps/v1/deployments", "smol-engine", ns) or {})
+                .get("spec", {})
+                .get("replicas")
+                == 1
+                for ns in homes
+            )
+
+        await eventually(scaled_up, "the router's scale-up applied by the operator", 60)
+    finally:
+        router.stop()
+        await operator.stop()
+    return homes
+
+
+def _calls(api: EmulatedApiServer, agent: Callable[[str], bool]) -> list[Attributes]:
+    created = {id(r) for r in api.created_by_apply}
+    calls = []
+    for request in api:
+        if not agent(request.headers.get("User-Agent", "")):
+            continue
+        calls += attributes(
+            request.method.value,
+            request.url.path,
+            request.params,
+            created=id(request) in created,
+        )
+    return calls
+
+
+def _unused(granted: list[Grant], calls: list[Attributes]) -> list[Grant]:
+    return [g for g in granted if not any(allows(g, c) for c in calls)]
+
+
+def _denied(granted: list[Grant], calls: list[Attributes]) -> set[Attributes]:
+    return {c for c in calls if not any(allows(g, c) for g in granted)}
+
+
+@pytest.mark.parametrize("value_set", [None, "namespaced-values.yaml"])
+async def test_rbac_grants_exactly_what_the_operator_and_the_router_use(
+    api: EmulatedApiServer,
+    start_operator: Callable[..., Any],
+    eventually: Callable[..., Any],
+    tmp_path: Path,
+    value_set: str | None,
+) -> None:
+    objects = render(value_set)
+    homes = await _live_control_plane(api, start_operator, eventually, tmp_path, objects)
+
+    roles = by_kind(objects, "Role") + by_kind(objects, "ClusterRole")
+    assert wildcards(roles) == []
+    for role in by_kind(objects, "ClusterRole"):
+        assert not any("secrets" in rule["resources"] for rule in role["rules"]), role
+    if value_set == "namespaced-values.yaml":
+        # Namespace-scoped: no cluster-wide grant of any kind.
+        assert by_kind(objects, "ClusterRole") == [] == by_kind(objects, "ClusterRoleBinding")
+
+    components = {
+        "fleetllm-router": lambda agent: agent == "fleetllm-router",
+        # kopf and the reconciler share the operator's ServiceAccount.
+        "fleetllm-operator": lambda agent: agent.startswith(("kopf/", "fleetllm-operator")),
+    }
+    for account, agent in components.items():
+        calls = _calls(api, agent)
+        granted = grants(objects, account, RELEASE_NAMESPACE)
+        assert calls and granted, account
+        denied = _denied(granted, calls)
+        assert not denied, f"{account} makes calls its RBAC denies: {sorted(map(str, denied))}"
+        unused = _unused(granted, calls)
+        assert not unused, f"{account} is granted what its code never used: {unused}"
+        for namespace in homes:
+            assert any(c.namespace == namespace for c in calls), (account, namespace)
+
+    # Secrets: only the router's key Secret, by name, in its own namespace.
+    secret_calls = {
+        (c.verb, c.namespace, c.name)
+        for c in _calls(api, lambda agent: agent.startswith(("kopf/", "fleetllm-")))
+        if c.resource == "secrets"
+    }
+    assert secret_calls == {("get", RELEASE_NAMESPACE, "fleetllm-router-keys")}
+
+    # Watches and lists of children are filtered by the API server, by the operator's label.
+    for request in api:
+        agent = request.headers.get("User-Agent", "")
+        if not agent.startswith(("kopf/", "fleetllm-")):
+            continue
+        for call in attributes(request.method.value, request.url.path, request.params):
+            if call.resource in CHILD_KINDS and call.verb in ("list", "watch"):
+                assert request.params.get("labelSelector") == CHILD_SELECTOR, (agent, call)

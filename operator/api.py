@@ -148,6 +148,13 @@ class EngineSpec(_Model):
         description="Activation and unquantized weight dtype; auto is bfloat16 on GPUs and "
         "float32 on CPUs.",
     )
+    max_num_seqs: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="At most this many sequences run at once (the planned value is the lesser; "
+        "lower it when preemptions rise). Default: planned from the KV-cache capacity.",
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         description="Extra engine flags, appended after the planned ones; flags the planner "

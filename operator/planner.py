@@ -645,6 +645,8 @@ def plan(
 
     tuning = est.tuning
     max_num_seqs = _max_num_seqs(est.capacity_tokens, max_model_len, tuning.max_num_seqs)
+    if spec.engine.max_num_seqs is not None:
+        max_num_seqs = min(max_num_seqs, spec.engine.max_num_seqs)
     batched = max(max_num_seqs, min(tuning.max_num_batched_tokens, est.capacity_tokens))
     kv_dtype = dtype if quant.kv_cache == "auto" else quant.kv_cache
     model_path = model_location(source)
@@ -812,7 +814,7 @@ OWNED_FLAGS = {
     "--num-kv-blocks": "(planned)",
     "--kv-cache-memory-fraction": "(planned)",
     "--gpu-memory-utilization": "(planned)",
-    "--max-num-seqs": "(planned)",
+    "--max-num-seqs": "engine.maxNumSeqs",
     "--max-num-batched-tokens": "(planned)",
     "--tensor-parallel-size": "parallelism.tensor",
     "-tp": "parallelism.tensor",

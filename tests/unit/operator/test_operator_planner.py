@@ -239,12 +239,36 @@ def test_tensor_parallelism_must_divide_the_heads() -> None:
             "InvalidEngineArgs",
             "use maxModelLen",
         ),
+        (
+            {"engine": {"extraArgs": ["--max-num-seqs", "8"]}},
+            "InvalidEngineArgs",
+            "use engine.maxNumSeqs",
+        ),
     ],
 )
 def test_refusals_name_the_reason(fields: dict[str, Any], reason: str, words: str) -> None:
     error = refusal(**fields)
     assert error.reason == reason
     assert words in error.message
+
+
+@pytest.mark.parametrize("backend", ["builtin", "vllm"])
+def test_engine_max_num_seqs_caps_the_planned_sequences(backend: str) -> None:
+    gpu = {"gpu": {"type": "H100-80GB"}} if backend == "vllm" else {"gpu": {"type": "cpu"}}
+    model = {"name": "m", "source": "builtin://smollm2-135m"} if backend == "builtin" else None
+    base = {**gpu, "engine": {"backend": backend}, **({"model": model} if model else {})}
+    planned = plan(spec(**base)).status
+    assert planned.max_num_seqs > 4
+    capped = plan(spec(**{**base, "engine": {"backend": backend, "maxNumSeqs": 4}})).status
+    assert capped.max_num_seqs == 4
+    args = capped.engine_args
+    assert args[args.index("--max-num-seqs") + 1] == "4"
+    assert capped.max_num_batched_tokens == planned.max_num_batched_tokens
+    # A bound above the plan changes nothing: the plan is what the cache holds.
+    loose = {"backend": backend, "maxNumSeqs": planned.max_num_seqs + 100}
+    assert plan(spec(**{**base, "engine": loose})).status == planned
+    with pytest.raises(ValueError, match="maxNumSeqs"):
+        spec(**{**base, "engine": {"backend": backend, "maxNumSeqs": 0}})
 
 
 def test_fp8_is_planned_on_ada_and_hopper() -> None:

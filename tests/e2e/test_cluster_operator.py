@@ -1,79 +1,15 @@
-"""The operator against a real cluster (kind, k3d, ...): runs only when KUBECONFIG is set.
-
-It installs the CRD, runs `fleetllm operator run` on a fresh namespace, applies the CPU
-example and an unplannable LLMDeployment, and checks what the operator wrote. Engine images
-need not be pullable: the test reads the objects, not the pods.
+"""The operator the Helm chart installed, on a real cluster (kind, k3d, ...): runs only when
+KUBECONFIG is set (scripts/kind-e2e.sh). Each test applies LLMDeployments in a fresh namespace
+and checks what the operator wrote there: plans, children with their ownerReferences, a
+deleted child coming back, a refused plan.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-import time
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 import yaml
+from e2e_cluster import ROOT, condition, get_json, kubectl, needs_cluster, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
-KUBECTL = shutil.which("kubectl")
-
-pytestmark = pytest.mark.skipif(
-    not os.environ.get("KUBECONFIG") or KUBECTL is None,
-    reason="needs a real cluster: set KUBECONFIG and put kubectl on PATH",
-)
-
-
-def kubectl(*args: str, stdin: str | None = None) -> str:
-    assert KUBECTL is not None
-    result = subprocess.run(
-        [KUBECTL, *args], input=stdin, capture_output=True, text=True, check=False, timeout=60
-    )
-    assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
-    return result.stdout
-
-
-def get_json(*args: str) -> dict:
-    return json.loads(kubectl("get", *args, "-o", "json"))
-
-
-def wait_for(predicate, what: str, timeout: float = 120.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1.0)
-    pytest.fail(f"timed out waiting for {what}")
-
-
-def condition(obj: dict, kind: str) -> dict | None:
-    for cond in obj.get("status", {}).get("conditions", []):
-        if cond.get("type") == kind:
-            return cond
-    return None
-
-
-@pytest.fixture(scope="module")
-def namespace() -> Iterator[str]:
-    ns = f"fleetllm-e2e-{uuid.uuid4().hex[:8]}"
-    kubectl("apply", "-f", str(ROOT / "crds" / "fleetllm.io_llmdeployments.yaml"))
-    kubectl("create", "namespace", ns)
-    operator = subprocess.Popen(
-        [sys.executable, "-m", "fleetllm.cli", "operator", "run", "-n", ns, "--standalone"],
-        cwd=ROOT,
-    )
-    try:
-        yield ns
-    finally:
-        operator.terminate()
-        operator.wait(timeout=30)
-        kubectl("delete", "namespace", ns, "--wait=false")
+pytestmark = needs_cluster
 
 
 def test_example_gets_a_plan_and_its_children(namespace: str) -> None:

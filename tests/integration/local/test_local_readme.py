@@ -1,10 +1,14 @@
 """The README's first command, exactly as written there, serves the embedded default model
 (SmolLM2-135M-Instruct) at http://localhost:8000/v1 (the port comes from $FLEETLLM_PORT here,
-so that the test never collides with anything else on the machine)."""
+so that the test never collides with anything else on the machine), and the README's curl
+command gets an answer from it (to that port). docs/quickstart.md's local commands are these
+two (tests/unit/test_docs.py)."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 from pathlib import Path
 
 import openai
@@ -31,6 +35,17 @@ def test_the_readmes_first_command_serves_the_default_model(tmp_path: Path) -> N
             temperature=0,
         )
         assert "Paris" in (answer.choices[0].message.content or "")
+        curl = re.findall(r"```shell\n(.+?)\n```", readme, re.S)[0]
+        assert curl.startswith("curl http://localhost:8000/v1/chat/completions")
+        origin = up.base_url.removesuffix("/v1")
+        result = subprocess.run(
+            ["bash", "-c", curl.replace("http://localhost:8000", origin)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        assert json.loads(result.stdout)["choices"][0]["message"]["content"]
         tree = snapshot(p.pid for p in up.tree())
         assert up.interrupt() == 0
         assert not survivors(tree)

@@ -1,14 +1,16 @@
-"""Every PromQL expression of the chart's alerts and Grafana dashboard refers only to metrics a
-live engine and a live router export, and selects and groups by labels those series carry
-(or that Prometheus adds to every scraped series)."""
+"""Every PromQL expression of the chart's alerts and Grafana dashboard (and of the metrics
+reference's queries) refers only to metrics a live engine and a live router export, and
+selects and groups by labels those series carry (or that Prometheus adds to every scraped
+series); docs/metrics.md documents exactly the metrics they export."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 import pytest
-from helmchart import groupings, promql_expressions, render, selectors
+from helmchart import ROOT, groupings, promql_expressions, render, selectors
 from prometheus_client.parser import text_string_to_metric_families
 from router_testkit import EngineFleet, serve_router
 
@@ -40,6 +42,17 @@ class TwoModels:
 
     async def signal_demand(self, route: ModelRoute) -> None:
         self.demand.append(route.name)
+
+
+def _families(*texts: str) -> set[str]:
+    """The metric names as documented (counters with their `_total`; not the `_created`
+    timestamps prometheus_client adds as families of their own)."""
+    return {
+        family.name + ("_total" if family.type == "counter" else "")
+        for text in texts
+        for family in text_string_to_metric_families(text)
+        if not family.name.endswith("_created")
+    }
 
 
 def _exported(*texts: str) -> dict[str, set[str]]:
@@ -85,7 +98,15 @@ async def test_alerts_and_dashboard_use_only_what_the_engine_and_router_export(
     assert 'fleetllm:router_model_max_replicas{model="beta"} 3.0' in router_text
     assert 'fleetllm:router_model_desired_replicas{model="beta"} 1.0' in router_text
 
+    # docs/metrics.md lists exactly what is exported, and its queries use only that.
+    metrics_page = (ROOT / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"^\| `((?:vllm|fleetllm):\w+)`", metrics_page, re.M))
+    assert documented == _families(engine_text, router_text)
+    queries = re.findall(r"^\| [^|]+ \| `(.+)` \|$", metrics_page, re.M)
+    assert len(queries) >= 5
+
     expressions = promql_expressions(render("monitoring-values.yaml"))
+    expressions += [(f"docs/metrics.md: {q}", q) for q in queries]
     used: set[str] = set()
     for where, expression in expressions:
         for name, labels in selectors(expression):

@@ -9,7 +9,19 @@ import json
 import re
 
 import pytest
-from helmchart import CHART, ROOT, by_kind, groupings, one, promql_expressions, render, selectors
+from helmchart import (
+    CHART,
+    ROOT,
+    by_kind,
+    documents,
+    groupings,
+    one,
+    promql_expressions,
+    render,
+    run,
+    selectors,
+    tool,
+)
 
 MONITORING = "monitoring-values.yaml"
 
@@ -78,9 +90,13 @@ def test_the_alerts_are_there_and_link_their_runbook_sections() -> None:
 
 
 def test_alert_thresholds_are_values() -> None:
-    objects = render(
-        MONITORING, "monitoring.prometheusRule.kvCacheUsage=0.9",
-        "monitoring.prometheusRule.queueTimeP90Seconds=2.5",
+    # --set-json: helm's --set passes 0.9 as a string, which the schema refuses.
+    objects = documents(
+        run(
+            tool("helm"), "template", "fleetllm", str(CHART), "-f", str(CHART / "ci" / MONITORING),
+            "--set-json", "monitoring.prometheusRule.kvCacheUsage=0.9",
+            "--set-json", "monitoring.prometheusRule.queueTimeP90Seconds=2.5",
+        ).stdout
     )  # fmt: skip
     (rule,) = by_kind(objects, "PrometheusRule")
     exprs = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}

@@ -451,10 +451,13 @@ class KubernetesDiscovery:
     def __init__(
         self,
         client: KubeClient,
-        namespaces: Sequence[str] | None,
+        namespaces: str | Sequence[str] | None,
         home_namespace: str | None = None,
         backoff: Backoff | None = None,
     ) -> None:
+        """`namespaces`: one, several, or None for all."""
+        if isinstance(namespaces, str):
+            namespaces = [namespaces]
         if namespaces is not None and not namespaces:
             raise ValueError("Kubernetes discovery needs at least one namespace, or None for all")
         self.client = client

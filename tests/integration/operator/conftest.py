@@ -18,6 +18,7 @@ import pytest
 import pytest_asyncio
 from kubeapi import NAMESPACE, EmulatedApiServer, emulated_api, kubeconfig_for
 from kubeapi import eventually as eventually_
+from operator_testkit import Controllers, Load
 
 from fleetllm.kube import Credentials, KubeClient, load_credentials
 from fleetllm.operator.api import KIND
@@ -151,3 +152,24 @@ def eventually() -> Callable[..., Any]:
     """`await eventually(check, what)`: wait until `check()` returns something truthy (the
     operator works asynchronously); fail the test, naming `what`, if it never does."""
     return eventually_
+
+
+@pytest_asyncio.fixture()
+async def controllers(api: EmulatedApiServer) -> AsyncIterator[Any]:
+    """`controllers(name, load)` plays the Deployment and ReplicaSet controllers and the
+    kubelet for one LLMDeployment (operator_testkit.Controllers)."""
+    started: list[tuple[Controllers, asyncio.Task[None]]] = []
+
+    def start(
+        name: str, load: Load, ready_after: float = 0.0, namespace: str = NAMESPACE
+    ) -> Controllers:
+        c = Controllers(api, name, load, ready_after, namespace)
+        started.append((c, asyncio.create_task(c.run())))
+        return c
+
+    yield start
+    for c, task in started:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await c.stop()

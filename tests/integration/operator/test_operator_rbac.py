@@ -1,12 +1,17 @@
 """Least privilege, derived from the code's own calls.
 
 The chart is rendered (cluster-wide, and namespace-scoped for two namespaces); the operator
-(kopf with the production settings and peering, its reconciler) and the router (the real
-`fleetllm router serve` process, with the arguments the chart gives it) then run against the
-emulated API server through a whole life: LLMDeployments appear in the watched namespaces,
-with a model on a claim the operator reads, at zero replicas; the operator plans and applies
-their children, writes status and Events; a client asks the router for each model, which
-scales it up from zero; the operator follows. Every request the server saw is turned into the
+(kopf with the production settings and peering, its reconciler and autoscaler) and the router
+(the real `fleetllm router serve` process, with the arguments the chart gives it) then run
+against the emulated API server through a whole life, in each watched namespace:
+- a model on a claim the operator reads, at zero replicas: the operator plans and applies its
+  children, writes status and Events; a client asks the router for it, which scales it up
+  from zero; the operator follows;
+- a model the operator's autoscaler scales down (idle replicas, reported by engines' /metrics;
+  pods annotated with their deletion cost first);
+- a model scaled by an HPA, then by a KEDA ScaledObject, then by the operator again: each
+  rendered in turn, the previous one deleted.
+Every request the server saw is turned into the
 attributes Kubernetes authorizes (tests/rbac.py), and the rendered RBAC must allow every one
 of them and grant nothing else: no verb, resource or namespace that no call used, no
 wildcard, no Secret beyond the router's one key Secret, by name.
@@ -31,6 +36,7 @@ import pytest
 from helmchart import NAMESPACE as RELEASE_NAMESPACE
 from helmchart import by_kind, render
 from kubeapi import EmulatedApiServer, kubeconfig_for
+from operator_testkit import Load
 from rbac import Attributes, Grant, allows, attributes, grants, wildcards
 
 from fleetllm.cli import build_parser
@@ -39,6 +45,7 @@ from fleetllm.operator.handlers import make_settings
 
 pytestmark = [
     pytest.mark.asyncio,
+    pytest.mark.slow,  # about 20 s per install mode
     pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
 ]
 
@@ -49,6 +56,10 @@ MODEL = "smollm2-135m"
 CHILD_SELECTOR = "app.kubernetes.io/managed-by=fleetllm"
 CHILD_KINDS = {"configmaps", "services", "deployments", "poddisruptionbudgets", "endpointslices"}
 CR_RESOURCE = f"{GROUP}/{VERSION}/{PLURAL}"
+HPAS = "autoscaling/v2/horizontalpodautoscalers"
+SCALEDOBJECTS = "keda.sh/v1alpha1/scaledobjects"
+HPA = {"minReplicas": 1, "maxReplicas": 3, "mode": "hpa"}
+KEDA = {"mode": "keda", "prometheusAddress": "http://prometheus.monitoring:9090"}
 
 
 def _container_args(objects: list[dict[str, Any]], component: str) -> list[str]:
@@ -72,12 +83,14 @@ async def _post(api: EmulatedApiServer, path: str, body: dict[str, Any]) -> None
         assert response.status in (200, 201), await response.text()
 
 
-def _register_peerings(api: EmulatedApiServer) -> None:
-    for plural, kind, namespaced in (
-        ("clusterkopfpeerings", "ClusterKopfPeering", False),
-        ("kopfpeerings", "KopfPeering", True),
+def _register_crds(api: EmulatedApiServer) -> None:
+    """The kinds of CRDs the cluster has: kopf's peering objects and KEDA's ScaledObject."""
+    for resource, kind, namespaced in (
+        ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False),
+        ("kopf.dev/v1/kopfpeerings", "KopfPeering", True),
+        ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True),
     ):
-        api.resources[f"kopf.dev/v1/{plural}"] = kmock.ResourceInfo(
+        api.resources[resource] = kmock.ResourceInfo(
             kind=kind,
             singular=kind.lower(),
             namespaced=namespaced,
@@ -113,22 +126,36 @@ async def _seed(api: EmulatedApiServer, objects: list[dict[str, Any]], homes: li
         await _post(api, f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", claim)
 
 
-def _llmdeployment(namespace: str) -> dict[str, Any]:
+def _llmdeployment(
+    namespace: str, name: str, replicas: int, scaling: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    # One served model name each: LLMDeployments of one namespace serving the same name would
+    # share one route, whose demand goes to the first of them by name.
+    model = {"name": f"{name}-model", "source": "builtin://smollm2-135m"}
+    if name == "smol":
+        # On a claim: the operator reads its access modes.
+        model = {"name": MODEL, "source": "pvc://models/smollm2", "architecture": "SmolLM2-135M"}
+    spec: dict[str, Any] = {
+        "model": model,
+        "gpu": {"type": "cpu"},
+        "maxModelLen": 2048,
+        "replicas": replicas,
+    }
+    if scaling is not None:
+        spec["scaling"] = scaling
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": {"name": "smol", "namespace": namespace},
-        "spec": {
-            "model": {
-                "name": MODEL,
-                "source": "pvc://models/smollm2",
-                "architecture": "SmolLM2-135M",
-            },
-            "gpu": {"type": "cpu"},
-            "maxModelLen": 2048,
-            "replicas": 0,
-        },
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
     }
+
+
+async def _patch_scaling(api: EmulatedApiServer, namespace: str, scaling: Any) -> None:
+    path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/viahpa"
+    headers = {"Content-Type": "application/merge-patch+json"}
+    async with api.patch(path, json={"spec": {"scaling": scaling}}, headers=headers) as response:
+        assert response.status == 200, await response.text()
 
 
 class RouterProcess:
@@ -162,6 +189,7 @@ class RouterProcess:
 async def _live_control_plane(
     api: EmulatedApiServer,
     start_operator: Callable[..., Any],
+    controllers: Callable[..., Any],
     eventually: Callable[..., Any],
     tmp_path: Path,
     objects: list[dict[str, Any]],
@@ -172,7 +200,7 @@ async def _live_control_plane(
     operator_args = parser.parse_args(_container_args(objects, "operator"))
     namespaces = None if operator_args.all_namespaces else operator_args.namespaces
     homes = namespaces or CLUSTER_NAMESPACES
-    _register_peerings(api)
+    _register_crds(api)
     await _seed(api, objects, homes)
 
     settings = make_settings(
@@ -181,14 +209,20 @@ async def _live_control_plane(
         priority=1,
         namespaces=namespaces,
     )
-    operator = await start_operator(settings=settings, namespaces=namespaces)
+    operator = await start_operator(
+        settings=settings, namespaces=namespaces, autoscale_interval=0.2
+    )
     kubeconfig = tmp_path / "router-kubeconfig"
     kubeconfig.write_text(kubeconfig_for(str(api.url).rstrip("/")))
     router = RouterProcess(_container_args(objects, "router"), kubeconfig, tmp_path / "router.log")
     try:
+        idle = {"minReplicas": 1, "maxReplicas": 2, "scaleDownDelaySeconds": 1}
         for namespace in homes:
-            await _post(api, f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}",
-                        _llmdeployment(namespace))  # fmt: skip
+            controllers("auto", Load(), namespace=namespace)
+            path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+            await _post(api, path, _llmdeployment(namespace, "smol", 0))
+            await _post(api, path, _llmdeployment(namespace, "auto", 2, idle))
+            await _post(api, path, _llmdeployment(namespace, "viahpa", 1, HPA))
 
         def planned() -> bool:
             return all(
@@ -235,6 +269,31 @@ async def _live_control_plane(
             )
 
         await eventually(scaled_up, "the router's scale-up applied by the operator", 60)
+
+        def autoscaled_down() -> bool:
+            return all(
+                (api.get(CR_RESOURCE, "auto", ns) or {}).get("spec", {}).get("replicas") == 1
+                for ns in homes
+            )
+
+        await eventually(autoscaled_down, "the autoscaler's scale-down of idle replicas", 60)
+
+        # spec.scaling.mode: hpa, then keda, then the operator's own again.
+        def only(resource: str | None) -> bool:
+            return all(
+                (api.get(HPAS, "viahpa", ns) is not None) == (resource == HPAS)
+                and (api.get(SCALEDOBJECTS, "viahpa", ns) is not None)
+                == (resource == SCALEDOBJECTS)
+                for ns in homes
+            )
+
+        await eventually(lambda: only(HPAS), "the HPAs", 60)
+        for namespace in homes:
+            await _patch_scaling(api, namespace, KEDA)
+        await eventually(lambda: only(SCALEDOBJECTS), "ScaledObjects instead of HPAs", 60)
+        for namespace in homes:
+            await _patch_scaling(api, namespace, {"mode": None, "prometheusAddress": None})
+        await eventually(lambda: only(None), "neither, the operator scales again", 60)
     finally:
         router.stop()
         await operator.stop()
@@ -268,12 +327,15 @@ def _denied(granted: list[Grant], calls: list[Attributes]) -> set[Attributes]:
 async def test_rbac_grants_exactly_what_the_operator_and_the_router_use(
     api: EmulatedApiServer,
     start_operator: Callable[..., Any],
+    controllers: Callable[..., Any],
     eventually: Callable[..., Any],
     tmp_path: Path,
     value_set: str | None,
 ) -> None:
     objects = render(value_set)
-    homes = await _live_control_plane(api, start_operator, eventually, tmp_path, objects)
+    homes = await _live_control_plane(
+        api, start_operator, controllers, eventually, tmp_path, objects
+    )
 
     roles = by_kind(objects, "Role") + by_kind(objects, "ClusterRole")
     assert wildcards(roles) == []
@@ -307,7 +369,8 @@ async def test_rbac_grants_exactly_what_the_operator_and_the_router_use(
     }
     assert secret_calls == {("get", RELEASE_NAMESPACE, "fleetllm-router-keys")}
 
-    # Watches and lists of children are filtered by the API server, by the operator's label.
+    # Watches and lists of children are filtered by the API server, by the operator's label;
+    # pods by the engine labels of one LLMDeployment.
     for request in api:
         agent = request.headers.get("User-Agent", "")
         if not agent.startswith(("kopf/", "fleetllm-")):
@@ -315,3 +378,5 @@ async def test_rbac_grants_exactly_what_the_operator_and_the_router_use(
         for call in attributes(request.method.value, request.url.path, request.params):
             if call.resource in CHILD_KINDS and call.verb in ("list", "watch"):
                 assert request.params.get("labelSelector") == CHILD_SELECTOR, (agent, call)
+            if call.resource == "pods" and call.verb in ("list", "watch"):
+                assert "app.kubernetes.io/instance=" in request.params["labelSelector"]

@@ -7,26 +7,19 @@ pod-deletion-cost first, and are Ready when the test says so."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import kmock
 import pytest
-import pytest_asyncio
 import yaml
-from aiohttp import web
 from kubeapi import CR_RESOURCE, NAMESPACE, EmulatedApiServer
 from openapi_schema_validator import OAS30Validator
+from operator_testkit import DEPLOYMENTS, MODEL, Load
 
-from fleetllm.engine.engine import EngineStats
-from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.kube import KubeClient, load_credentials
 from fleetllm.operator.api import API_VERSION, KIND
-from fleetllm.operator.render import selector_labels
 from fleetllm.operator.scaler import FIELD_MANAGER, POD_DELETION_COST
 from fleetllm.router.discovery import KubernetesDiscovery, ModelRoute
 
@@ -37,9 +30,6 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[3]
 CRS = f"/apis/fleetllm.io/v1alpha1/namespaces/{NAMESPACE}/llmdeployments"
-PODS = f"/api/v1/namespaces/{NAMESPACE}/pods"
-DEPLOYMENTS = "apps/v1/deployments"
-MODEL = "smollm2-135m"
 TICK = 0.2  # the autoscaler's interval in these tests
 KEDA_SCHEMA = ROOT / "tests" / "data" / "keda" / "scaledobject-v1alpha1-schema.yaml"
 
@@ -54,167 +44,6 @@ def llmdeployment(name: str, replicas: int, scaling: dict[str, Any] | None) -> d
     if scaling is not None:
         spec["scaling"] = scaling
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec}
-
-
-# -- engines and controllers played by the test ----------------------------------------------
-
-
-@dataclass
-class Load:
-    kv: float = 0.0
-    running: int = 0
-    waiting: int = 0
-    busy: bool = False
-    """Whether a request finishes between two scrapes (traffic the gauges may not show)."""
-
-
-class FakeEngine:
-    """One replica's /metrics: fleetllm's engine exposition, with the load the test sets."""
-
-    def __init__(self, load: Load) -> None:
-        self.load = load
-        self.metrics = EngineMetrics(MODEL, self._stats)
-        self.scrapes = 0
-        self._runner: web.AppRunner | None = None
-        self.port = 0
-
-    def _stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=self.load.running,
-            num_waiting=self.load.waiting,
-            kv_cache_usage=self.load.kv,
-            num_preemptions=0,
-            prefix_cache_queries=0,
-            prefix_cache_hits=0,
-            prompt_tokens=0,
-            generation_tokens=0,
-            num_kv_blocks=100,
-            block_size=16,
-        )
-
-    async def _serve(self, _: web.Request) -> web.Response:
-        self.scrapes += 1
-        if self.load.busy:
-            self.metrics.queue.observe(0.05)
-        return web.Response(body=self.metrics.render(), content_type="text/plain")
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", self._serve)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-
-@dataclass
-class Controllers:
-    """The Deployment and ReplicaSet controllers and the kubelet, for one LLMDeployment."""
-
-    api: EmulatedApiServer
-    name: str
-    load: Load = field(default_factory=Load)
-    """What a new replica reports."""
-    ready_after: float = 0.0
-    engines: dict[str, FakeEngine] = field(default_factory=dict)
-    removed: list[str] = field(default_factory=list)
-    _count: int = 0
-
-    async def _create_pod(self) -> None:
-        self._count += 1
-        pod = f"{self.name}-engine-{self._count}"
-        engine = FakeEngine(Load(**vars(self.load)))
-        await engine.start()
-        self.engines[pod] = engine
-        body = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": pod, "labels": selector_labels(self.name)},
-            "spec": {
-                "containers": [
-                    {
-                        "name": "engine",
-                        "image": "ghcr.io/fleetllm/fleetllm:test",
-                        "ports": [{"name": "http", "containerPort": engine.port}],
-                    }
-                ]
-            },
-        }
-        async with self.api.post(PODS, json=body) as response:
-            assert response.status == 201, await response.text()
-        asyncio.get_running_loop().call_later(
-            self.ready_after, lambda: asyncio.ensure_future(self._ready(pod))
-        )
-
-    async def _ready(self, pod: str) -> None:
-        status = {
-            "phase": "Running",
-            "podIP": "127.0.0.1",
-            "conditions": [{"type": "Ready", "status": "True"}],
-        }
-        async with self.api.patch(
-            f"{PODS}/{pod}/status",
-            json={"status": status},
-            headers={"Content-Type": "application/merge-patch+json"},
-        ) as response:
-            assert response.status in (200, 404), await response.text()
-
-    def pods(self) -> list[dict[str, Any]]:
-        return [
-            p
-            for p in self.api.list("v1/pods")
-            if (p["metadata"].get("labels") or {}).get("app.kubernetes.io/instance") == self.name
-        ]
-
-    async def run(self) -> None:
-        while True:
-            deployment = self.api.get(DEPLOYMENTS, f"{self.name}-engine")
-            if deployment is not None:
-                wanted = deployment["spec"].get("replicas", 1)
-                pods = self.pods()
-                for _ in range(wanted - len(pods)):
-                    await self._create_pod()
-                # The ReplicaSet's order: lowest pod-deletion-cost first, then the newest.
-                surplus = sorted(
-                    pods,
-                    key=lambda p: (
-                        int((p["metadata"].get("annotations") or {}).get(POD_DELETION_COST, 0)),
-                        -int(p["metadata"]["name"].rsplit("-", 1)[1]),
-                    ),
-                )[: max(0, len(pods) - wanted)]
-                for pod in surplus:
-                    name = pod["metadata"]["name"]
-                    async with self.api.delete(f"{PODS}/{name}") as response:
-                        assert response.status == 200
-                    self.removed.append(name)
-                    await self.engines.pop(name).stop()
-            await asyncio.sleep(0.05)
-
-    async def stop(self) -> None:
-        for engine in self.engines.values():
-            await engine.stop()
-
-
-@pytest_asyncio.fixture()
-async def controllers(api: EmulatedApiServer) -> AsyncIterator[Any]:
-    started: list[tuple[Controllers, asyncio.Task[None]]] = []
-
-    def start(name: str, load: Load, ready_after: float = 0.0) -> Controllers:
-        c = Controllers(api, name, load, ready_after)
-        started.append((c, asyncio.create_task(c.run())))
-        return c
-
-    yield start
-    for c, task in started:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await c.stop()
 
 
 async def _create(api: EmulatedApiServer, body: dict[str, Any]) -> None:

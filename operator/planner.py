@@ -586,7 +586,8 @@ def plan(
     """Plan one replica of `spec`, or raise PlanError with the reason and what would fit.
     `claim_access_modes`: the access modes of the claims in `claims_to_check` that exist.
     `local`: the replica runs as a process on this machine (`fleetllm up`), where file://
-    sources are local paths; in a cluster they name nothing and are refused."""
+    sources are local paths (in a cluster they name nothing and are refused) and no node
+    labels are chosen."""
     gpu = resolve_gpu(spec.gpu.type)
     _check_backend(spec, gpu)
     source = ModelSource.parse(spec.model.source)
@@ -598,7 +599,8 @@ def plan(
         )
     arch = resolve_arch(spec)
     _check_source(spec, source)
-    node_selector = _node_selector(spec, gpu, config)
+    # Node labels pick cluster nodes; a local replica runs on this machine.
+    node_selector = {} if local else _node_selector(spec, gpu, config)
     check_claims(spec, config, claim_access_modes or {})
     tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
     _check_parallelism(arch, tp, pp)

@@ -116,6 +116,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         find_vllm,
         load_fleet,
         local_gpus,
+        local_notes,
     )
     from fleetllm.operator.cli import plan_summary
 
@@ -129,13 +130,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     except FleetError as exc:
         print(f"fleetllm up: cannot start the fleet:\n{exc}", file=sys.stderr)
         return 1
+    notes = {m.name: local_notes(m.cr, args.shutdown_grace_period) for m in models}
     for model in models:
         sys.stderr.write(f"{model.where}: {plan_summary(model.cr, model.plan)}")
+        for note in notes[model.name]:
+            sys.stderr.write(f"  note: {note}\n")
     log_dir = _log_dir(args)
     try:
         events = _configure_logging(args.log_level, log_dir, live=sys.stdout.isatty())
     except OSError as exc:
         raise ValueError(f"cannot write the logs to {log_dir}: {exc.strerror or exc}") from None
+    for name, model_notes in notes.items():
+        for note in model_notes:
+            logging.getLogger("fleetllm.local").warning(
+                "not done on this machine", extra={"model": name, "note": note}
+            )
     return asyncio.run(
         run_fleet(
             models,

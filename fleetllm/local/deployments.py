@@ -18,16 +18,19 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from fleetllm.engine import cpu_features
 from fleetllm.local.launch import LocalModel
 from fleetllm.operator.api import (
     LLMDeployment,
     ModelConfig,
     ModelSource,
+    PodSpec,
     format_validation_error,
     load_llmdeployments,
     parse_llmdeployment,
 )
 from fleetllm.operator.cli import plan_summary
+from fleetllm.operator.config import OperatorConfig
 from fleetllm.operator.planner import PlanError, plan
 
 DEFAULT_MANIFEST: dict[str, Any] = {
@@ -138,16 +141,71 @@ def _local_problems(cr: LLMDeployment, vllm: str | None) -> list[str]:
     return problems
 
 
+def local_notes(cr: LLMDeployment, grace_s: float) -> list[str]:
+    """What of the spec only a cluster honours, each with what happens here instead: shown and
+    logged when the fleet starts, never dropped in silence."""
+    spec = cr.spec
+    engine = spec.engine
+    notes = []
+    runs = "`fleetllm engine serve`" if engine.backend == "builtin" else "`vllm serve`"
+    for name, value in (
+        ("engine.image", engine.image),
+        ("engine.imagePullPolicy", engine.image_pull_policy),
+    ):
+        if value is not None:
+            notes.append(f"{name} is for pods; the replicas run this environment's {runs}")
+    if spec.gpu.node_selector_profile is not None:
+        notes.append(
+            "gpu.nodeSelectorProfile picks cluster nodes; the replicas run on this machine"
+        )
+    cpu = spec.gpu.type == "cpu"
+    for name, value in spec.pod:
+        alias = PodSpec.model_fields[name].alias or name
+        if name == "resources" and value is not None:
+            for part, quantities in (("requests", value.requests), ("limits", value.limits)):
+                for key in quantities:
+                    if (part, key, cpu) == ("limits", "memory", True):
+                        notes.append(
+                            "pod.resources.limits.memory sizes the KV cache as in a pod, but "
+                            "nothing enforces it here"
+                        )
+                    else:
+                        notes.append(f"pod.resources.{part}.{key} applies to pods only")
+        elif value:
+            notes.append(f"pod.{alias} applies to pods only")
+    scaling = spec.scaling
+    if scaling is not None and scaling.mode != "builtin":
+        kind = "an HPA" if scaling.mode == "hpa" else "a KEDA ScaledObject"
+        notes.append(
+            f"scaling.mode {scaling.mode} makes {kind} in a cluster; here the builtin "
+            "autoscaler scales between the same bounds on the same targets"
+        )
+    if "drain_seconds" in engine.model_fields_set and engine.drain_seconds > grace_s:
+        notes.append(
+            f"engine.drainSeconds {engine.drain_seconds} is longer than "
+            f"--shutdown-grace-period {grace_s:g}: a scale-down drains a replica for up to "
+            f"{engine.drain_seconds}s, but at shutdown open requests get {grace_s:g}s"
+        )
+    return notes
+
+
 def load_fleet(
-    paths: Sequence[Path], *, vllm: str | None = None, cache: Path | None = None
+    paths: Sequence[Path],
+    *,
+    vllm: str | None = None,
+    cache: Path | None = None,
+    cpu_bf16: bool | None = None,
 ) -> list[LocalModel]:
     """The planned models of the manifests in `paths` (the built-in default when empty).
     `vllm`: the vLLM command (`find_vllm()`), None when vLLM is not installed; `cache`: the
-    model cache (default: the engine's). Raises FleetError with every problem, and
+    model cache (default: the engine's); `cpu_bf16`: whether this machine's CPU computes
+    bfloat16 natively, so that `dtype: auto` is planned as the engine's auto picks here
+    (default: read from the CPU). Raises FleetError with every problem, and
     ValueError/FileNotFoundError for unreadable manifests."""
     from fleetllm.engine.model_files import cache_root
 
     cache = cache_root() if cache is None else cache
+    config = OperatorConfig(cpu_bf16=cpu_features.native_bf16() if cpu_bf16 is None else cpu_bf16)
     found: list[tuple[LLMDeployment, str, Path]] = []
     if not paths:
         found.append((default_deployment(), DEFAULT_WHERE, Path.cwd()))
@@ -181,7 +239,7 @@ def load_fleet(
         local = _local_problems(cr, vllm)
         problems += [f"{title}: {problem}" for problem in local]
         try:
-            planned = plan(cr.spec, local=True)
+            planned = plan(cr.spec, config, local=True)
         except PlanError as exc:
             problems.append(f"{where}: {plan_summary(cr, exc).rstrip()}")
             continue

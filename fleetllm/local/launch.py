@@ -4,8 +4,8 @@ on this machine. Pure: the planned command with local addresses, no I/O.
 A local replica runs the planned engine command with the planned arguments; only what a pod
 gets from Kubernetes changes: the address (loopback, a free port; the router is the one way
 in), the executable (this environment's, so the engine is the installed one), where the
-weights are (a pod's model volume is a folder of the local cache), the drain time (at most
-the fleet's grace period) and, for CPU replicas, a share of this machine's cores.
+weights are (a pod's model volume is a folder of the local cache) and, for CPU replicas, a
+share of this machine's cores.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from fleetllm.operator.render import startup_seconds
 
 LOOPBACK = "127.0.0.1"
 VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-# The planned flag that bounds a stopping engine's drain, per backend.
-DRAIN_FLAG = {"builtin": "--shutdown-grace-period", "vllm": "--shutdown-timeout"}
 
 
 @dataclass(frozen=True)
@@ -77,17 +75,12 @@ def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(arg == flag or arg.startswith(flag + "=") for arg in args)
 
 
-def local_args(model: LocalModel, port: int, drain_seconds: float) -> list[str]:
-    """The planned arguments with this machine's address, weights and drain time."""
+def local_args(model: LocalModel, port: int) -> list[str]:
+    """The planned arguments with this machine's address and weights."""
     args = list(model.plan.args)
     planned_location = model_location(model.plan.source)
     args = [model.model_path if arg == planned_location else arg for arg in args]
-    drain_flag = DRAIN_FLAG[model.backend]
-    for flag, value in (
-        ("--host", LOOPBACK),
-        ("--port", str(port)),
-        (drain_flag, f"{min(drain_seconds, model.cr.spec.engine.drain_seconds):g}"),
-    ):
+    for flag, value in (("--host", LOOPBACK), ("--port", str(port))):
         if flag in args:
             args[args.index(flag) + 1] = value
         else:
@@ -101,12 +94,9 @@ def cpu_threads(cpu_count: int, cpu_replicas: int) -> int:
     return max(1, cpu_count // max(1, cpu_replicas))
 
 
-def replica_argv(
-    model: LocalModel, port: int, *, threads: int | None, drain_seconds: float
-) -> list[str]:
-    """The full command line of one replica listening on loopback:`port`; `drain_seconds`
-    caps the planned drain time."""
-    args = local_args(model, port, drain_seconds)
+def replica_argv(model: LocalModel, port: int, *, threads: int | None) -> list[str]:
+    """The full command line of one replica listening on loopback:`port`."""
+    args = local_args(model, port)
     # Extra args the user gave win over this local default.
     if model.backend == "builtin" and threads is not None and not _has_flag(args, "--num-threads"):
         args += ["--num-threads", str(threads)]

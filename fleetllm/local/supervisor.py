@@ -137,7 +137,8 @@ class SupervisorSettings:
     endpoint: str
     """The router's OpenAI base URL, shown per model."""
     grace_s: float = 30.0
-    """Drain time of a stopping replica at most (each model's engine.drainSeconds below it)."""
+    """At shutdown, how long open requests get to finish (a scale-down drains a replica for
+    its model's engine.drainSeconds)."""
     cpu_threads: int | None = None
     """Torch threads of each CPU replica."""
 
@@ -387,10 +388,9 @@ class Supervisor:
     async def _run_once(self, fleet: ModelFleet, replica: Replica) -> int | None:
         """Start the replica and serve until it exits (its status) or is retired (None)."""
         model = fleet.model
-        drain_s = min(float(model.cr.spec.engine.drain_seconds), self.settings.grace_s)
         port = free_port()
         threads = None if model.plan.gpu.is_gpu else self.settings.cpu_threads
-        argv = replica_argv(model, port, threads=threads, drain_seconds=drain_s)
+        argv = replica_argv(model, port, threads=threads)
         env = replica_env(model, os.environ, replica.devices)
         replica.url = f"http://127.0.0.1:{port}"
         replica.ready_since = None
@@ -415,7 +415,7 @@ class Supervisor:
             if exited.done():
                 return exited.result()
             if retired.done():
-                await self._stop(fleet, replica, exited, drain_s, drain=False)
+                await self._stop(fleet, replica, exited, drain=False)
                 return None
             if not watch.result():
                 log.warning(
@@ -434,7 +434,7 @@ class Supervisor:
             if exited.done():
                 return exited.result()
             if retired.done():
-                await self._stop(fleet, replica, exited, drain_s, drain=True)
+                await self._stop(fleet, replica, exited, drain=True)
                 return None
             log.warning(
                 "replica stopped answering /health; restarting",
@@ -452,18 +452,24 @@ class Supervisor:
                 exited.cancel()
             replica.process = None
 
+    def drain_time(self, fleet: ModelFleet) -> float:
+        """How long a replica of `fleet` that is told to stop may take: its model's
+        engine.drainSeconds, at shutdown at most the grace period."""
+        drain_s = float(fleet.model.cr.spec.engine.drain_seconds)
+        return min(drain_s, self.settings.grace_s) if self.stopping else drain_s
+
     async def _stop(
         self,
         fleet: ModelFleet,
         replica: Replica,
         exited: asyncio.Task[int],
-        drain_s: float,
         *,
         drain: bool,
     ) -> None:
         """Drain (the router stops choosing the replica; its open requests finish), then ask
         the engine to stop, and kill the tree if it is not gone in time."""
         assert replica.process is not None and replica.url is not None
+        drain_s = self.drain_time(fleet)
         if drain:
             replica.set_state(State.DRAINING)
             self.publish()

@@ -133,11 +133,11 @@ def test_a_file_source_is_read_from_the_manifests_folder_and_sized_by_its_config
     manifests = tmp_path / "deploy"
     manifests.mkdir()
     path = _write(manifests / "tiny.yaml", _manifest("tiny", "file://../models/tiny"))
-    (model,) = load_fleet([path])
+    (model,) = load_fleet([path], cpu_bf16=False)
     assert model.cr.spec.model.source == f"file://{folder}"
     assert model.plan.arch.num_layers == 3 and model.plan.arch.num_kv_heads == 2
     assert model.plan.status.max_model_len == 512
-    # 2 (K and V) x 3 layers x 2 KV heads x 16 dims x 4 bytes (float32 on the CPU)
+    # 2 (K and V) x 3 layers x 2 KV heads x 16 dims x 4 bytes (float32 on a CPU without bf16)
     assert model.plan.status.kv_bytes_per_token == 768
     args = list(model.plan.args)
     assert args[args.index("--model") + 1] == str(folder)

@@ -1,5 +1,5 @@
 """A local replica runs the planned command with the planned arguments; only the address,
-the interpreter, the drain time and the CPU threads are its own."""
+the interpreter and the CPU threads are its own."""
 
 from __future__ import annotations
 
@@ -50,19 +50,19 @@ def _pairs(argv: list[str]) -> dict[str, str]:
 
 def test_builtin_replica_runs_the_planned_engine_on_loopback() -> None:
     (model,) = load_fleet([])
-    argv = replica_argv(model, 43210, threads=1, drain_seconds=12)
+    argv = replica_argv(model, 43210, threads=1)
     assert argv[:3] == [sys.executable, "-m", "fleetllm.cli"]
     assert argv[3:5] == ["engine", "serve"]
     flags = _pairs(argv)
     assert flags["--host"] == "127.0.0.1"
     assert flags["--port"] == "43210"
-    # The planned drain (engine.drainSeconds, 60) capped by the fleet's grace period.
-    assert flags["--shutdown-grace-period"] == "12"
+    # The planned drain: engine.drainSeconds (60 by default).
+    assert flags["--shutdown-grace-period"] == "60"
     assert flags["--num-threads"] == "1"
-    # Every planned flag is there with its planned value, the address and drain aside.
+    # Every planned flag is there with its planned value, the address aside.
     planned = _pairs(list(model.plan.args))
     for flag, value in planned.items():
-        if flag not in ("--host", "--port", "--shutdown-grace-period"):
+        if flag not in ("--host", "--port"):
             assert flags[flag] == value, flag
     assert flags["--model"] == "smollm2-135m" and flags["--device"] == "cpu"
     assert flags["--num-kv-blocks"] == str(model.plan.status.num_kv_blocks)
@@ -81,9 +81,8 @@ spec:
   gpu: {type: cpu}
 """,
     )
-    argv = replica_argv(model, 1234, threads=1, drain_seconds=60)
+    argv = replica_argv(model, 1234, threads=1)
     assert "--num-threads=3" in argv and "--num-threads" not in argv
-    # A drain shorter than the grace period stays as planned.
     assert argv.count("--shutdown-grace-period") == 1
     assert _pairs(argv)["--shutdown-grace-period"] == "7"
 
@@ -92,7 +91,7 @@ def test_vllm_replica_runs_the_planned_vllm_server_on_the_pulled_weights(
     tmp_path: Path,
 ) -> None:
     model = _model(tmp_path, VLLM_TP2)
-    argv = replica_argv(model, 5555, threads=None, drain_seconds=30)
+    argv = replica_argv(model, 5555, threads=None)
     # `vllm serve MODEL`, as planned, with this environment's vllm and the folder of the
     # local cache the hf:// source is pulled to (a pod's model cache volume).
     pulled = tmp_path / "cache" / "pulled" / "hf" / "Qwen" / "Qwen2.5-7B-Instruct" / "main"
@@ -101,7 +100,7 @@ def test_vllm_replica_runs_the_planned_vllm_server_on_the_pulled_weights(
     flags = _pairs(argv)
     assert flags["--tensor-parallel-size"] == "2"
     assert flags["--host"] == "127.0.0.1" and flags["--port"] == "5555"
-    assert flags["--shutdown-timeout"] == "30"
+    assert flags["--shutdown-timeout"] == "60"
     assert "--enable-prefix-caching" in argv
     # Our engine's flags are not vLLM's.
     assert "--shutdown-grace-period" not in argv and "--num-threads" not in argv
@@ -135,5 +134,5 @@ def test_gpu_pool_hands_out_whole_devices_and_takes_them_back() -> None:
 @pytest.mark.parametrize("port", [1, 65535])
 def test_the_address_is_replaced_not_added(port: int) -> None:
     (model,) = load_fleet([])
-    argv = replica_argv(model, port, threads=None, drain_seconds=1)
+    argv = replica_argv(model, port, threads=None)
     assert argv.count("--port") == 1 and argv.count("--host") == 1

@@ -448,8 +448,11 @@ class Autoscaler:
             recommendation = min(current, max(1, lo, math.ceil(need_down), floor))
         self._recommendations.append((obs.time, recommendation))
         delay = spec.scale_down_delay_seconds
-        while self._recommendations and self._recommendations[0][0] < obs.time - delay:
-            self._recommendations.popleft()
+        # Keep the recommendation in force at the start of the span too (the last one made at or
+        # before it), so a run of lower ones counts only once it has lasted the whole delay.
+        recs = self._recommendations
+        while len(recs) > 1 and recs[1][0] <= obs.time - delay:
+            recs.popleft()
 
         if up > current:
             if load.request_rate:  # a count too few at no measured rate says nothing

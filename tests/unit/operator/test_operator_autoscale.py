@@ -175,6 +175,18 @@ def test_scale_down_waits_for_the_delay_then_goes_to_the_highest_recommendation(
     assert law.decide(s, observe(95, 4, [0.1] * 4)).replicas == 1
 
 
+def test_a_lower_run_counts_only_once_it_has_lasted_the_whole_delay() -> None:
+    # Steps 5 s apart, a 12 s delay: the busy step at 0 is still the one in force at 3, so
+    # the idle steps at 5, 10 and 15 have lasted 10 s, not 12, and hold the count.
+    law = Autoscaler()
+    s = spec(scale_down_delay_seconds=12)
+    assert law.decide(s, observe(0, 4, [0.8] * 4)).replicas == 4
+    for t in (5, 10, 15):
+        assert law.decide(s, observe(t, 4, [0.1] * 4)).replicas == 4, t
+    d = law.decide(s, observe(20, 4, [0.1] * 4))
+    assert (d.replicas, d.change) == (1, "down")
+
+
 def test_idle_scales_to_zero_and_demand_brings_one_back() -> None:
     s = spec(min_replicas=0, scale_to_zero_after_seconds=30, scale_down_delay_seconds=10)
     law = Autoscaler()
@@ -486,9 +498,12 @@ def test_no_scale_down_inside_the_delay(s: ScalingSpec, steps: list, start: int)
         if d.change != "down":
             continue
         assert obs.time - first >= s.scale_down_delay_seconds
-        # Every step of the delay before it was fully read and needed at most where it went.
-        for prior, pd in history[: i + 1]:
-            if prior.time < obs.time - s.scale_down_delay_seconds or pd.change == "bounds":
+        # Every step of the delay before it, and the one in force when the delay began, was
+        # fully read and needed at most where it went.
+        start = obs.time - s.scale_down_delay_seconds
+        in_force = max((j for j, (p, _) in enumerate(history[:i]) if p.time <= start), default=0)
+        for prior, pd in history[in_force : i + 1]:
+            if pd.change == "bounds":
                 continue
             assert pd.change not in ("up", "from-zero"), (prior, pd)
             assert math.ceil(pd.load.need) <= d.replicas, (prior, pd, d)

@@ -1,4 +1,4 @@
-"""manifests/base and manifests/monitoring are the chart, rendered (scripts/manifests.sh): what
+"""manifests/base and manifests/monitoring are the chart, rendered (scripts/generate.sh): what
 `kubectl kustomize` builds from them validates like the chart and equals the chart's objects
 with the default values (the CRDs and the namespace included)."""
 
@@ -19,7 +19,7 @@ from helmchart import (
 )
 
 MANIFESTS = ROOT / "manifests"
-REGENERATE = "regenerate with scripts/manifests.sh"
+REGENERATE = "regenerate with scripts/generate.sh"
 
 
 def _key(obj: dict[str, Any]) -> tuple[str, str, str, str]:

@@ -73,7 +73,7 @@ def _parsed_command(deployment: dict[str, Any]) -> Any:
 def test_the_charts_crds_are_the_repositorys() -> None:
     ours = {p.name: p.read_bytes() for p in CRDS.glob("*.yaml") if p.name != "kustomization.yaml"}
     chart = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*")}
-    assert chart == ours, "copy crds/*.yaml (not kustomization.yaml) to charts/fleetllm/crds/"
+    assert chart == ours, "regenerate with scripts/generate.sh"
     assert set(yaml.safe_load((CRDS / "kustomization.yaml").read_text())["resources"]) == set(ours)
 
 

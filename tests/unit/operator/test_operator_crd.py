@@ -73,16 +73,14 @@ def _examples() -> list[dict[str, Any]]:
 
 
 def test_crds_folder_holds_the_current_generated_crd() -> None:
-    assert CRD_FILE.read_text() == crd_yaml(), "regenerate: fleetllm crds > " + str(
+    assert CRD_FILE.read_text() == crd_yaml(), "regenerate with scripts/generate.sh: " + str(
         CRD_FILE.relative_to(ROOT)
     )
 
 
 def test_the_field_reference_is_current() -> None:
     reference = ROOT / "docs" / "crd-reference.md"
-    assert reference.read_text() == reference_markdown(), (
-        "regenerate: fleetllm crds --reference > docs/crd-reference.md"
-    )
+    assert reference.read_text() == reference_markdown(), "regenerate with scripts/generate.sh"
     assert "| `spec.scaling.targetKVCacheUsage` | number |" in reference.read_text()
 
 

@@ -160,13 +160,26 @@ class EngineSpec(_Model):
         description="Extra engine flags, appended after the planned ones; flags the planner "
         "sets are refused here (use the matching spec field).",
     )
-    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="Extra environment variables of the engine (and of the container that "
+        "pulls the weights); one per name, and a name the operator also sets takes this value.",
+    )
     drain_seconds: int = Field(
         60,
         ge=0,
         le=3600,
         description="How long in-flight requests may finish after a replica is told to stop.",
     )
+
+    @model_validator(mode="after")
+    def _env_names_once(self) -> EngineSpec:
+        names = [var.name for var in self.env]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"env sets {', '.join(twice)} more than once")
+        return self
 
 
 class QuantizationSpec(_Model):

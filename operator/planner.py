@@ -24,6 +24,7 @@ from fleetllm.operator.api import LLMDeploymentSpec, ModelSource, PlanStatus, pa
 from fleetllm.operator.catalog import (
     BUILTIN_MODELS,
     GIB,
+    GPU_RESOURCE,
     GPU_TYPES,
     MODELS,
     GPUType,
@@ -438,6 +439,25 @@ def check_claims(
             )
 
 
+def _check_gpu_resources(spec: LLMDeploymentSpec, gpu: GPUType) -> None:
+    """A replica gets tensor x pipeline GPUs (none on cpu); pod.resources may not ask for
+    another count, which the engine would not run on as planned."""
+    resources = spec.pod.resources
+    if resources is None:
+        return
+    tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
+    planned = tp * pp if gpu.is_gpu else 0
+    for part, values in (("requests", resources.requests), ("limits", resources.limits)):
+        value = values.get(GPU_RESOURCE)
+        if value is not None and parse_quantity(value) != planned:
+            raise PlanError(
+                "InvalidResources",
+                f"pod.resources.{part}.{GPU_RESOURCE} is {value}, but a replica of gpu.type "
+                f"{gpu.name} with parallelism {tp} x {pp} runs on {planned}; leave it out "
+                "(the planner sets it) or change parallelism",
+            )
+
+
 def _node_selector(spec: LLMDeploymentSpec, gpu: GPUType, config: OperatorConfig) -> dict[str, str]:
     profile = spec.gpu.node_selector_profile or config.gpu_profile
     labels = gpu.node_labels(profile)
@@ -602,6 +622,7 @@ def plan(
     # Node labels pick cluster nodes; a local replica runs on this machine.
     node_selector = {} if local else _node_selector(spec, gpu, config)
     check_claims(spec, config, claim_access_modes or {})
+    _check_gpu_resources(spec, gpu)
     tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
     _check_parallelism(arch, tp, pp)
 

@@ -224,8 +224,12 @@ def _base_env() -> list[dict[str, Any]]:
     ]
 
 
-def _user_env(cr: LLMDeployment) -> list[dict[str, Any]]:
-    return [var.model_dump(by_alias=True, exclude_none=True) for var in cr.spec.engine.env]
+def _with_user_env(env: list[dict[str, Any]], cr: LLMDeployment) -> list[dict[str, Any]]:
+    """`env` with spec.engine.env after it; a variable the spec also sets takes the spec's
+    value (as in `fleetllm up`), and no name appears twice (server-side apply refuses that)."""
+    user = [var.model_dump(by_alias=True, exclude_none=True) for var in cr.spec.engine.env]
+    names = {var["name"] for var in user}
+    return [var for var in env if var["name"] not in names] + user
 
 
 def _env(cr: LLMDeployment) -> list[dict[str, Any]]:
@@ -235,7 +239,7 @@ def _env(cr: LLMDeployment) -> list[dict[str, Any]]:
             {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
             {"name": "DO_NOT_TRACK", "value": "1"},
         ]
-    return env + _user_env(cr)
+    return _with_user_env(env, cr)
 
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
@@ -306,7 +310,7 @@ def _pull_container(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> di
         "command": ["fleetllm", "model", "pull"],
         "args": [cr.spec.model.source, plan.model_path, *(["--read-only"] if read_only else [])],
         # Credentials (HF_TOKEN, AWS_*) come from the same variables the engine gets.
-        "env": _base_env() + _user_env(cr),
+        "env": _with_user_env(_base_env(), cr),
         "resources": {
             "requests": {"cpu": "1", "memory": "512Mi"},
             "limits": {"memory": "1Gi"},

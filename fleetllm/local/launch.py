@@ -103,6 +103,15 @@ def replica_argv(model: LocalModel, port: int, *, threads: int | None) -> list[s
     return [*model.executable, *model.plan.command[1:], *args]
 
 
+def spec_env(model: LocalModel, base: Mapping[str, str]) -> dict[str, str]:
+    """`base` with the spec's engine.env over it: what a pod's containers get from the spec,
+    the weights' pull included (HF_TOKEN, HF_ENDPOINT, AWS_*)."""
+    env = dict(base)
+    for var in model.cr.spec.engine.env:
+        env[var.name] = var.value or ""
+    return env
+
+
 def replica_env(
     model: LocalModel, base: Mapping[str, str], devices: Sequence[str] | None
 ) -> dict[str, str]:
@@ -110,8 +119,7 @@ def replica_env(
     env = dict(base)
     if model.backend == "vllm":
         env.update(VLLM_ENV)
-    for var in model.cr.spec.engine.env:
-        env[var.name] = var.value or ""
+    env = spec_env(model, env)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     return env

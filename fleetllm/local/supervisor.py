@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from fleetllm.local.launch import GPUPool, LocalModel, replica_argv, replica_env
+from fleetllm.local.launch import GPUPool, LocalModel, replica_argv, replica_env, spec_env
 from fleetllm.local.policy import (
     Candidate,
     State,
@@ -290,7 +290,8 @@ class Supervisor:
         if model.backend == "builtin" or model.plan.source.downloaded:
             process = await GuardedProcess.start(
                 argv,
-                os.environ,
+                # As the pod's pull container, with the spec's variables (credentials).
+                spec_env(model, os.environ),
                 self.settings.log_dir / f"{model.cr.metadata.name}-prepare.log",
                 capture_stdout=True,
             )

@@ -1,7 +1,7 @@
 """An hf:// source on one machine: pulled into the local cache before the replicas start, as
-the operator's init container pulls it into a pod, and served by the builtin engine from
-there. The model scales to zero when idle, and the router's demand brings a replica back while
-the request waits."""
+the operator's init container pulls it into a pod (with the spec's engine.env: the hub's
+address here), and served by the builtin engine from there. The model scales to zero when
+idle, and the router's demand brings a replica back while the request waits."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ spec:
       maxPositionEmbeddings: 2048
       intermediateSize: 128
       tiedEmbeddings: true
+  engine:
+    env:
+    - name: HF_ENDPOINT
+      value: {hub}
   gpu:
     type: cpu
   maxModelLen: 1024
@@ -49,15 +53,11 @@ def test_an_hf_model_is_pulled_served_scaled_to_zero_and_brought_back_on_demand(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     manifest = tmp_path / "hub.yaml"
-    manifest.write_text(HF_FLEET)
     cache = tmp_path / "cache"
     folder = cache / "pulled" / "hf" / "acme" / "tiny-chat" / "main"
     with fake_hub(REPO, tiny_model_dir) as hub:
-        up = Up(
-            ["-f", str(manifest)],
-            tmp_path / "up",
-            env={"HF_ENDPOINT": hub, "FLEETLLM_CACHE_DIR": str(cache)},
-        )
+        manifest.write_text(HF_FLEET.replace("{hub}", hub))
+        up = Up(["-f", str(manifest)], tmp_path / "up", env={"FLEETLLM_CACHE_DIR": str(cache)})
         try:
             up.wait_for("replica ready", guard_s=180)
             (idle,) = up.wait_for("scale", to=0)

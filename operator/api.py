@@ -145,8 +145,9 @@ class EngineSpec(_Model):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="Activation and unquantized weight dtype; auto is bfloat16 on GPUs and "
-        "float32 on CPUs.",
+        description="Activation and unquantized weight dtype; auto is bfloat16 on GPUs that "
+        "have it (float16 on others), and on CPUs bfloat16 only where they compute it natively "
+        "(the operator's --cpu-bf16; `fleetllm up` reads its own CPU), else float32.",
     )
     max_num_seqs: int | None = Field(
         None,
@@ -158,7 +159,8 @@ class EngineSpec(_Model):
     extra_args: list[str] = Field(
         default_factory=list,
         description="Extra engine flags, appended after the planned ones; flags the planner "
-        "sets are refused here (use the matching spec field).",
+        "sets are refused here (use the matching spec field), and with the builtin engine so "
+        "is anything `fleetllm engine serve` would refuse.",
     )
     env: list[EnvVar] = Field(
         default_factory=list,

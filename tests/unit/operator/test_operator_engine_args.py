@@ -5,13 +5,14 @@ with the reason, instead of a replica that exits at every start."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetllm.operator.api import LLMDeploymentSpec
+from fleetllm.operator.api import LLMDeploymentSpec, load_llmdeployments
 from fleetllm.operator.engine_args import ArgsRefused, flags_changed, parse_serve_args
 from fleetllm.operator.planner import OWNED_FLAGS, PlanError, plan
 
@@ -43,6 +44,24 @@ def test_every_planned_flag_reaches_the_engine_with_its_planned_value(base: dict
     assert read["block_size"] == s.block_size
     assert read["device"] == s.device
     assert read["shutdown_grace_period"] == 45
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "manifests" / "examples").glob("*.yaml"))
+
+
+def test_every_builtin_example_plans_arguments_the_engine_reads() -> None:
+    builtin = [
+        cr
+        for path in EXAMPLES
+        for cr in load_llmdeployments(path)
+        if cr.spec.engine.backend == "builtin"
+    ]
+    assert builtin
+    for cr in builtin:
+        planned = plan(cr.spec)
+        read = parse_serve_args(planned.args)
+        assert read["max_model_len"] == planned.status.max_model_len, cr.metadata.name
+        assert read["num_kv_blocks"] == planned.status.num_kv_blocks, cr.metadata.name
 
 
 def test_extra_args_the_engine_has_are_passed_after_the_planned_ones() -> None:

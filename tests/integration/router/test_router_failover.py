@@ -1,8 +1,8 @@
-"""A replica SIGKILLed under load: of 24 concurrent requests on two replicas, half of them chat
-streams, every request that had not received a token completes on the other replica (streams
-whose only event so far was the role-only opening included), the streams that had received
-tokens end with an error event, and nothing hangs. Then the router marks the replica down, and
-up again once it is back."""
+"""A replica SIGKILLed under load: of 24 concurrent requests on two replicas, two thirds of
+them chat streams, every request that had not received a token completes on the other replica
+(streams whose only event so far was the role-only opening included), the streams that had
+received tokens end with an error event, and nothing hangs. Then the router marks the replica
+down, and up again once it is back."""
 
 from __future__ import annotations
 
@@ -18,31 +18,53 @@ from router_testkit import ALPHA_MAX_SEQS, EngineFleet, metric_sum, wait_until, 
 GUARD = 180.0  # hang guard for the whole burst
 MAX_TOKENS = 64
 REQUESTS = 24
+# The first wave: long chat streams that fill both replicas' running slots and are still
+# generating when the victim dies, so that the victim is running streams with tokens at their
+# clients, whichever way the load spreads.
+FIRST_WAVE = 2 * ALPHA_MAX_SEQS
+LONG_TOKENS = 512
 
 
-async def _one(client: httpx.AsyncClient, url: str, i: int) -> dict[str, Any]:
-    """Half chat streams, half plain completions, in pairs: least load alternates between
-    the two replicas, so each gets both kinds, in every wave it runs."""
+async def _one(
+    client: httpx.AsyncClient, url: str, i: int, with_tokens: set[int]
+) -> dict[str, Any]:
+    """The first wave, then plain completions and chat streams in pairs: least load alternates
+    between the two replicas, so each gets both kinds. `with_tokens` collects the streams
+    whose client has received content."""
     headers = {"X-Request-Id": f"burst-{i}"}
-    common = {"model": "alpha", "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
-    if i % 4 >= 2:
+    max_tokens = LONG_TOKENS if i < FIRST_WAVE else MAX_TOKENS
+    common = {"model": "alpha", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    if i >= FIRST_WAVE and i % 4 >= 2:
         body = {**common, "prompt": f"Request number {i} asks the fleet about"}
         r = await client.post(f"{url}/v1/completions", json=body, headers=headers)
         return {"i": i, "stream": False, "status": r.status_code, "body": r.json()}
     body = {**common, "messages": [{"role": "user", "content": f"Request {i}"}], "stream": True}
+    text = ""
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
-        text = (await r.aread()).decode()
-    blocks = [b[6:] for b in text.split("\n\n") if b.startswith("data: ")]
-    return {"i": i, "stream": True, "status": r.status_code, "blocks": blocks}
+        async for chunk in r.aiter_text():
+            text += chunk
+            if i not in with_tokens and any(_has_content(b) for b in _blocks(text)):
+                with_tokens.add(i)
+    return {"i": i, "stream": True, "status": r.status_code, "blocks": _blocks(text)}
 
 
-def _running_with_a_queue(engine_url: str) -> bool:
+def _blocks(text: str) -> list[str]:
+    """The complete `data:` blocks of an event stream."""
+    return [b[6:] for b in text.split("\n\n")[:-1] if b.startswith("data: ")]
+
+
+def _has_content(block: str) -> bool:
+    if block == "[DONE]":
+        return False
+    choices = json.loads(block).get("choices") or [{}]
+    return bool(choices[0].get("delta", {}).get("content"))
+
+
+def _running_and_waiting(engine_url: str) -> tuple[float, float]:
     text = httpx.get(f"{engine_url}/metrics", timeout=10).text
     return (
-        metric_sum(text, "vllm:num_requests_running") >= 1
-        and metric_sum(text, "vllm:num_requests_waiting") >= 1
-        # Several tokens per running request: the running streams have tokens at their clients.
-        and metric_sum(text, "vllm:generation_tokens_total") >= 3 * ALPHA_MAX_SEQS
+        metric_sum(text, "vllm:num_requests_running"),
+        metric_sum(text, "vllm:num_requests_waiting"),
     )
 
 
@@ -55,22 +77,38 @@ def test_killing_a_replica_under_load(
     router = start_router(
         "--fleet-file", str(fleet_file), "--strategy", "least-load", "--backoff-max", "2"
     )
+    with_tokens: set[int] = set()
+
+    def first_wave_streaming() -> bool:
+        # Every request either replica runs has tokens at its client (only the first wave
+        # has been sent), and the victim runs some.
+        running = [_running_and_waiting(e.url)[0] for e in (survivor, victim)]
+        return running[1] >= 1 and len(with_tokens) >= sum(running)
 
     async def burst() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(timeout=GUARD) as client:
-            tasks = [asyncio.create_task(_one(client, router.url, i)) for i in range(REQUESTS)]
-            # Kill while the victim generates for some requests and holds others in its queue
-            # (it runs at most ALPHA_MAX_SEQS at a time); the queued streams have had their
-            # role-only opening event from it, and no token.
+
+            def send(ids: range) -> list[asyncio.Task[dict[str, Any]]]:
+                return [asyncio.create_task(_one(client, router.url, i, with_tokens)) for i in ids]
+
+            tasks = send(range(FIRST_WAVE))
+            await asyncio.to_thread(wait_until, first_wave_streaming, "first wave", GUARD)
+            tasks += send(range(FIRST_WAVE, REQUESTS))
+            # Kill while the victim holds requests of the second wave in its queue behind the
+            # first wave's streams; the queued streams have had their role-only opening event
+            # from it, and no token.
             await asyncio.to_thread(
-                wait_until, lambda: _running_with_a_queue(victim.url), "victim busy", GUARD
+                wait_until,
+                lambda: _running_and_waiting(victim.url)[1] >= ALPHA_MAX_SEQS,
+                "victim's queue",
+                GUARD,
             )
             victim.kill()
             return await asyncio.wait_for(asyncio.gather(*tasks), GUARD)
 
     try:
         results = asyncio.run(burst())
-        _check_results(results, _request_log(router.log_text()))
+        _check_results(results, _request_log(router.log_text()), victim.url)
         _check_router_after_the_kill(router, victim.url)
     finally:
         if victim.proc.poll() is not None:
@@ -109,7 +147,9 @@ def _request_log(text: str) -> dict[str, dict[str, Any]]:
     return {line["id"]: line for line in lines if line.get("msg") == "request"}
 
 
-def _check_results(results: list[dict[str, Any]], log: dict[str, dict[str, Any]]) -> None:
+def _check_results(
+    results: list[dict[str, Any]], log: dict[str, dict[str, Any]], victim_url: str
+) -> None:
     cut_streams = moved_streams = 0
     for result in results:
         assert result["status"] == 200
@@ -127,11 +167,16 @@ def _check_results(results: list[dict[str, Any]], log: dict[str, dict[str, Any]]
             # Cut after its first token: tokens came first, then the error event, [DONE].
             cut_streams += 1
             assert events[-1]["error"]["code"] == 502 and entry["stream_error"]
+            assert entry["replica"] == victim_url
             assert any(d.get("content") for d in deltas)
         else:
             assert all("error" not in e for e in events)
             assert events[-1]["choices"][0]["finish_reason"] == "length"
             moved_streams += entry["attempts"] > 1
+            # The first wave's streams were still generating at the kill: those the victim
+            # ran were cut, so every one that completed ran on the survivor.
+            if result["i"] < FIRST_WAVE:
+                assert entry["replica"] != victim_url
     # Only streams the victim was running had tokens at their clients; the streams it held
     # in its queue, which had had their opening event from it, moved and completed.
     assert 1 <= cut_streams <= ALPHA_MAX_SEQS

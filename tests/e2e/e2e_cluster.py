@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from local_services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -83,12 +84,6 @@ def condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
         if cond.get("type") == kind:
             return dict(cond)
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

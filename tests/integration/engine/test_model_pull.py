@@ -13,16 +13,16 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from local_services import serve_http
 
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.engine import LLMEngine
@@ -155,19 +155,6 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def _serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tiny_model: Callable[..., tuple[Path, torch.nn.Module]]) -> dict[str, bytes]:
     """A sharded tiny checkpoint (index + several safetensors files) and its config."""
@@ -180,7 +167,7 @@ def checkpoint(tiny_model: Callable[..., tuple[Path, torch.nn.Module]]) -> dict[
 @pytest.fixture
 def hub(checkpoint: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> Iterator[Hub]:
     state = Hub(files=dict(checkpoint))
-    for url in _serve(_handler(state)):
+    with serve_http(_handler(state)) as url:
         state.url = url
         state.cdn_url = url.replace("127.0.0.1", "localhost")
         monkeypatch.setenv("HF_ENDPOINT", url)
@@ -424,7 +411,7 @@ def test_s3_pull_lists_pages_signs_requests_and_verifies_md5(
     objects = {f"llama/tiny/{name}": data for name, data in checkpoint.items()}
     objects["llama/tiny/sub/ignored.safetensors"] = b"x"
     seen: list[str] = []
-    for url in _serve(_s3_handler(objects, seen)):
+    with serve_http(_s3_handler(objects, seen)) as url:
         monkeypatch.setenv("AWS_ENDPOINT_URL", url)
         monkeypatch.setenv("AWS_REGION", "eu-west-1")
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", S3_KEYS.access_key)

@@ -9,7 +9,6 @@ import json
 import os
 import pty
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -18,12 +17,13 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import openai
 import psutil
+from local_services import free_port, serve_http
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -221,12 +221,6 @@ def _ppid(process: psutil.Process) -> int | None:
         return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def fake_hub(repo: str, folder: Path) -> Iterator[str]:
     """A local HTTP server that serves the files of `folder` as the Hugging Face hub serves
@@ -252,13 +246,5 @@ def fake_hub(repo: str, folder: Path) -> Iterator[str]:
             self.end_headers()
             self.wfile.write(body or b"")
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
+    with serve_http(Handler) as url:
+        yield url

@@ -22,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
-import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -36,6 +34,7 @@ import pytest
 from helmchart import NAMESPACE as RELEASE_NAMESPACE
 from helmchart import by_kind, render
 from kubeapi import EmulatedApiServer, kubeconfig_for
+from local_services import free_port, stop_process
 from operator_testkit import Load
 from rbac import Attributes, Grant, allows, attributes, grants, wildcards
 
@@ -70,12 +69,6 @@ def _container_args(objects: list[dict[str, Any]], component: str) -> list[str]:
     ]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return [*container["command"][1:], *container["args"]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _post(api: EmulatedApiServer, path: str, body: dict[str, Any]) -> None:
@@ -162,7 +155,7 @@ class RouterProcess:
     """`fleetllm router serve` with the chart's arguments, logged in through a kubeconfig."""
 
     def __init__(self, args: list[str], kubeconfig: Path, log: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = log.open("wb")
         args = [a for a in args if not a.startswith(("--port=", "--shutdown-timeout="))]
@@ -176,13 +169,7 @@ class RouterProcess:
         self.log = log
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
 
 

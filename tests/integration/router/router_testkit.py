@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +17,7 @@ from typing import Any
 
 import httpx
 from aiohttp import web
+from local_services import free_port, stop_process
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetllm.router.config import RouterSettings
@@ -26,12 +25,6 @@ from fleetllm.router.discovery import Discovery, StaticDiscovery
 from fleetllm.router.server import Router
 
 STARTUP_GUARD_S = 120.0  # hang guard only
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -115,13 +108,7 @@ class Process:
         self.proc = self._spawn()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def close(self) -> None:
         self.stop()

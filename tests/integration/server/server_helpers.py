@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from local_services import free_port, stop_process
 from prometheus_client.parser import text_string_to_metric_families
 
 # The shared server's engine settings; `offline_llm` uses the same.
@@ -22,12 +22,6 @@ NUM_KV_BLOCKS = 1024
 BLOCK_SIZE = 16
 SERVED_NAME = "tiny-chat"
 STARTUP_GUARD_S = 120.0  # hang guard only: a tiny model loads in about a second
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServerProcess:
@@ -63,13 +57,7 @@ class ServerProcess:
             self.proc.send_signal(signal.SIGTERM)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
 
     # -- metrics ------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from server_helpers import SERVED_NAME, ServerProcess, free_port, parse_sse, tiny_server_args
+from local_services import free_port
+from server_helpers import SERVED_NAME, ServerProcess, parse_sse, tiny_server_args
 from test_server_shutdown import EXIT_GUARD_S, StreamThread
 
 from fleetllm.operator.api import LLMDeployment

@@ -109,7 +109,8 @@ def step_overhead(llm: LLM, batch: int, context: int, iters: int) -> tuple[float
     # The same batch shape, forward only: the scheduler's current batch, prepared once.
     scheduled = engine.scheduler.schedule().scheduled
     runner = engine.runner
-    inp = runner.prepare(scheduled)
+    step, _ = engine.step_builder.build(scheduled, engine.kv.take_fresh_blocks())
+    inp = runner.prepare(step)
     fwd_times = []
     with torch.inference_mode():
         for _ in range(iters):

@@ -31,6 +31,8 @@ from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
+HEALTH_CHECK_INTERVAL_S = 1.0
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; nothing more will be generated."""
@@ -291,12 +293,17 @@ class AsyncEngine:
         except BaseException as exc:
             log.exception("the engine loop failed")
             self._call(self._on_dead, exc)
+        finally:
+            engine.shutdown()
 
     def _loop_forever(self, engine: LLMEngine) -> None:
         while True:
             with self._cond:
                 while not (self._commands or self._stopping or engine.has_unfinished_requests()):
-                    self._cond.wait()
+                    # Wake now and then while idle: a tensor-parallel rank may die between
+                    # steps, and the engine must then fail (and /health say so) at once.
+                    self._cond.wait(HEALTH_CHECK_INTERVAL_S)
+                    engine.check_health()
                 if self._stopping:
                     return
                 commands, self._commands = self._commands, []

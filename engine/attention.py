@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fleetllm.engine import kv_cache
+from fleetllm.engine.kv_cache import KVCache
+
 
 @dataclass
 class PrefillChunk:
@@ -121,15 +124,6 @@ def build_metadata(
     )
 
 
-def _gather_blocks(
-    cache: torch.Tensor, block_ids: torch.Tensor, rows: int, block_size: int
-) -> torch.Tensor:
-    """[num_slots, KVH, D] cache, flat block ids of `rows` sequences -> [rows, L, KVH, D]."""
-    _, kv_heads, head_dim = cache.shape
-    blocks = cache.view(-1, block_size * kv_heads * head_dim).index_select(0, block_ids)
-    return blocks.view(rows, -1, kv_heads, head_dim)
-
-
 def _table_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:
     """[rows, blocks] block ids -> [rows, blocks * block_size] slot ids, in token order."""
     offsets = torch.arange(block_size, device=tables.device)
@@ -150,12 +144,12 @@ class TorchPagedAttention:
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, KVH, D]
         v: torch.Tensor,  # [T, KVH, D]
-        k_cache: torch.Tensor,  # [num_slots, KVH, D]
-        v_cache: torch.Tensor,
+        k_cache: KVCache,  # [num_slots, KVH, D], possibly quantized
+        v_cache: KVCache,
         md: AttentionMetadata,
     ) -> torch.Tensor:
-        k_cache.index_copy_(0, md.slot_mapping, k)
-        v_cache.index_copy_(0, md.slot_mapping, v)
+        kv_cache.write(k_cache, md.slot_mapping, k)
+        kv_cache.write(v_cache, md.slot_mapping, v)
         out = torch.empty_like(q)
         if md.num_decodes:
             self.decode(q, k_cache, v_cache, md, out)
@@ -166,8 +160,8 @@ class TorchPagedAttention:
     def decode(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         md: AttentionMetadata,
         out: torch.Tensor,
     ) -> None:
@@ -176,8 +170,8 @@ class TorchPagedAttention:
         assert md.decode_tables is not None
         # Whole blocks at a time: one contiguous copy per block, not per token.
         flat = md.decode_tables.view(-1)
-        kd = _gather_blocks(k_cache, flat, n, md.block_size)
-        vd = _gather_blocks(v_cache, flat, n, md.block_size)
+        kd = kv_cache.gather_blocks(k_cache, flat, n, md.block_size, q.dtype)
+        vd = kv_cache.gather_blocks(v_cache, flat, n, md.block_size, q.dtype)
         # Each kv head's query heads form its query rows (a decode needs no causal mask):
         # one dense attention per kv head instead of a grouped-query expansion.
         group = self.num_heads // self.num_kv_heads
@@ -195,8 +189,8 @@ class TorchPagedAttention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         md: AttentionMetadata,
         out: torch.Tensor,
     ) -> None:
@@ -207,8 +201,8 @@ class TorchPagedAttention:
             if chunk.context_slots is None:
                 kc, vc = k[rows], v[rows]
             else:
-                kc = k_cache.index_select(0, chunk.context_slots)
-                vc = v_cache.index_select(0, chunk.context_slots)
+                kc = kv_cache.select_slots(k_cache, chunk.context_slots, q.dtype)
+                vc = kv_cache.select_slots(v_cache, chunk.context_slots, q.dtype)
             o = F.scaled_dot_product_attention(
                 qc,
                 kc.transpose(0, 1).unsqueeze(0),

@@ -234,6 +234,18 @@ class KVCacheManager:
             self.pool.cache(entry.blocks[i], entry.hashes[i])
         entry.num_registered = full
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release the request's blocks past those `num_tokens` tokens need (the slots of
+        rejected draft tokens)."""
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return
+        keep = self.blocks_needed(num_tokens)
+        if len(entry.blocks) > keep:
+            self.pool.release(entry.blocks[keep:][::-1])
+            del entry.blocks[keep:]
+            del entry.block_ids[keep:]
+
     def free(self, request_id: str) -> None:
         entry = self._requests.pop(request_id, None)
         if entry is not None:

@@ -111,6 +111,32 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
         help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many worker processes (one per GPU on a GPU)",
+    )
+    p.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["int8", "fp8"],
+        help="weight-only quantization: int8, or fp8 on GPUs that have it (default: none)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8", "fp8"],
+        help="KV cache element type: auto (the model dtype), int8, or fp8 on GPUs with it",
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("FLEETLLM_API_KEY"),
         help="require 'Authorization: Bearer <key>' on the API (default: $FLEETLLM_API_KEY)",
@@ -165,8 +191,11 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from fleetllm.engine.config import EngineConfig
+    from pathlib import Path
+
+    from fleetllm.engine.config import EngineConfig, ModelConfig
     from fleetllm.engine.model_files import resolve_model
+    from fleetllm.engine.parallel import check_tensor_parallel
     from fleetllm.engine.server import ServerSettings, run_server
 
     for flag, value, low in (
@@ -196,10 +225,15 @@ def _serve(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         load_format=args.load_format,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        speculative_config=args.speculative_config,
     )
     # Fail fast, before binding, on what can be checked without loading the weights.
     config.validate()
     model_root = str(resolve_model(args.model))
+    check_tensor_parallel(ModelConfig.from_pretrained(Path(model_root)), args.tensor_parallel_size)
     settings = ServerSettings(
         model_names=args.served_model_name or [args.model],
         model_root=model_root,

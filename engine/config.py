@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +164,85 @@ def _device_has_bf16(device: torch.device) -> bool:
     return True
 
 
+QUANTIZATION_METHODS = ("int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: `{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": m, "prompt_lookup_min": n}`. Without either lookup bound both are 5;
+    with one, the other takes its value (vLLM's defaults)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    @classmethod
+    def parse(
+        cls, value: SpeculativeConfig | dict[str, Any] | str | None
+    ) -> SpeculativeConfig | None:
+        """A config from a mapping or its JSON text; None or an empty mapping turns it off."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        if not value:
+            return None
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown keys {unknown}; known: {sorted(known)}"
+            )
+        method = value.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method {method!r} is not supported; use "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        k = _positive_int(value, "num_speculative_tokens", None)
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be at most "
+                f"{MAX_SPECULATIVE_TOKENS}, got {k}"
+            )
+        high = value.get("prompt_lookup_max")
+        low = value.get("prompt_lookup_min")
+        if high is None and low is None:
+            high = low = 5
+        high = _positive_int(value, "prompt_lookup_max", low)
+        low = _positive_int(value, "prompt_lookup_min", high)
+        if low > high:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({low}) exceeds prompt_lookup_max ({high})"
+            )
+        return cls(method, k, high, low)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "prompt_lookup_max": self.prompt_lookup_max,
+            "prompt_lookup_min": self.prompt_lookup_min,
+        }
+
+
+def _positive_int(value: dict[str, Any], key: str, default: int | None) -> int:
+    got = value.get(key, default)
+    if isinstance(got, bool) or not isinstance(got, int) or got < 1:
+        raise ValueError(f"speculative_config.{key} must be an integer >= 1, got {got!r}")
+    return got
+
+
 @dataclass
 class EngineConfig:
     """One engine instance's settings; defaults follow vLLM's where a counterpart exists."""
@@ -183,6 +262,10 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False  # CUDA: no decode graphs
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shapes
+    tensor_parallel_size: int = 1
+    quantization: str | None = None  # weight-only: int8, or fp8 on GPUs that have it
+    kv_cache_dtype: str = "auto"  # auto (the model dtype), int8, or fp8 on such GPUs
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = field(default=None)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -205,3 +288,18 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.quantization in ("none", ""):
+            self.quantization = None
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported; use "
+                f"{', '.join(QUANTIZATION_METHODS)} or leave it unset"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

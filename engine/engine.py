@@ -13,20 +13,27 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from fleetllm.engine import kv_cache
 from fleetllm.engine.block_manager import KVCacheManager
-from fleetllm.engine.config import EngineConfig, ModelConfig, resolve_dtype
-from fleetllm.engine.loader import load_model
+from fleetllm.engine.config import EngineConfig, ModelConfig, SpeculativeConfig, resolve_dtype
+from fleetllm.engine.executor import LocalExecutor, MultiprocExecutor, WorkerFailedError
+from fleetllm.engine.model import LlamaForCausalLM
 from fleetllm.engine.model_files import resolve_model
-from fleetllm.engine.model_runner import ModelRunner
+from fleetllm.engine.model_runner import ModelRunner, StepBuilder
+from fleetllm.engine.parallel import check_tensor_parallel
+from fleetllm.engine.quantization import check_quantization
 from fleetllm.engine.request import Request, RequestOutput
 from fleetllm.engine.sampler import SamplingRow, TokenCounts, sample
 from fleetllm.engine.sampling_params import SamplingParams
 from fleetllm.engine.scheduler import ScheduledRequest, Scheduler
+from fleetllm.engine.spec_decode import NgramProposer, verify
 from fleetllm.engine.stop_strings import StopStringMatcher
 from fleetllm.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from fleetllm.engine.worker import WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,9 @@ class EngineStats:
     num_kv_blocks: int
     block_size: int
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    spec_decode_num_drafts: int = 0  # requests' steps that verified drafts
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -89,39 +99,55 @@ class LLMEngine:
         self.eos_token_ids = (
             self.tokenizer.stop_token_ids if self.tokenizer else frozenset(cfg.eos_token_ids)
         )
-        self.model = load_model(
-            self.model_dir,
-            cfg,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            config.max_num_seqs,
-            config.load_format,
-        )
-        num_blocks = config.num_kv_blocks or self._blocks_from_budget()
-        if num_blocks * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * config.block_size} tokens "
-                f"({num_blocks} blocks of {config.block_size}), fewer than max_model_len="
-                f"{self.max_model_len}: give it more blocks or lower max_model_len"
-            )
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(
-            self.model,
-            cfg,
-            self.kv,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            max_num_seqs=config.max_num_seqs,
+        tp = config.tensor_parallel_size
+        check_tensor_parallel(cfg, tp)
+        check_quantization(config.quantization, self.device)
+        kv_cache.check_kv_cache_dtype(config.kv_cache_dtype, self.device)
+        if config.num_kv_blocks is not None:
+            self._check_pool(config.num_kv_blocks)  # before any worker starts
+        worker_spec = WorkerSpec(
+            model_dir=str(self.model_dir),
+            dtype=self.dtype,
+            device=config.device,
+            max_positions=self.max_model_len,
+            batch_hint=config.max_num_seqs,
+            block_size=config.block_size,
+            quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
+            load_format=config.load_format,
             enforce_eager=config.enforce_eager,
+            # Ranks share the machine's cores unless told otherwise.
+            num_threads=config.num_threads or max(1, (os.cpu_count() or 1) // tp),
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        # Unseeded draws come from the device; seeded requests draw on the CPU (sampler.py).
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.executor = (
+            LocalExecutor(worker_spec) if tp == 1 else MultiprocExecutor(worker_spec, tp)
+        )
+        try:
+            num_blocks = config.num_kv_blocks or self._blocks_from_budget()
+            self._check_pool(num_blocks)
+            self.kv_cache_bytes = self.executor.allocate_kv(num_blocks)  # per rank
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.step_builder = StepBuilder(self.kv)
+        spec = config.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)  # parsed by validate()
+        proposer = NgramProposer(spec, self.max_model_len).propose if spec else None
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, proposer
+        )
+        # Sampling runs where the logits arrive: on the model's device in this process, on
+        # the CPU when tensor-parallel ranks send them. Unseeded draws come from there; seeded
+        # requests draw on the CPU (sampler.py).
+        self.sample_device = self.device if tp == 1 else torch.device("cpu")
+        self.generator = torch.Generator(device=self.sample_device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._texts: dict[str, _OutputText] = {}
         self._prompt_tokens = 0
+        self._spec_drafts = 0
+        self._spec_draft_tokens = 0
+        self._spec_accepted_tokens = 0
         self._generation_tokens = 0
         self._finished: Counter[str] = Counter()
         log.info(
@@ -132,8 +158,37 @@ class LLMEngine:
                 "max_model_len": self.max_model_len,
                 "num_kv_blocks": num_blocks,
                 "block_size": config.block_size,
+                "tensor_parallel_size": tp,
+                "quantization": config.quantization,
+                "kv_cache_dtype": config.kv_cache_dtype,
             },
         )
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        """The model, where it runs in this process (tensor_parallel_size=1)."""
+        if not isinstance(self.executor, LocalExecutor):
+            raise AttributeError("the model runs in tensor-parallel worker processes")
+        return self.executor.model
+
+    @property
+    def runner(self) -> ModelRunner:
+        if not isinstance(self.executor, LocalExecutor) or self.executor.runner is None:
+            raise AttributeError("the model runs in tensor-parallel worker processes")
+        return self.executor.runner
+
+    @property
+    def weight_bytes(self) -> list[int]:
+        """Bytes of model weights held by each tensor-parallel rank."""
+        return self.executor.weight_bytes
+
+    def check_health(self) -> None:
+        """Raise if the engine can no longer run a step (a tensor-parallel rank died)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any; the engine is unusable afterwards."""
+        self.executor.shutdown()
 
     # -- requests -------------------------------------------------------------------------
 
@@ -241,40 +296,34 @@ class LLMEngine:
         num_scheduled = len(out.scheduled)
         failures: dict[str, Exception] = {}
         logits, sampled = self._execute(out.scheduled, failures)
+        outputs: list[RequestOutput] = []
+        finished: list[Request] = []
+        for s, tokens, logprobs, error in self._sample(logits, sampled):
+            req = s.request
+            kept = 0
+            try:
+                if error is not None:
+                    raise error
+                for token_id, lp in zip(tokens, logprobs, strict=True):
+                    self._append_token(req, token_id, lp)
+                    kept += 1
+                    if req.finished:
+                        break
+            except Exception as exc:
+                failures[req.request_id] = exc
+                continue
+            if s.spec_token_ids:
+                # The step keeps the KV of the last known token and of the drafts that were
+                # accepted and emitted; the scheduler releases the rest.
+                s.num_new_tokens = kept
+            if req.finished:
+                finished.append(req)
+            output = req.take_output()
+            if output is not None:
+                outputs.append(output)
         if failures:
             out.scheduled = [s for s in out.scheduled if s.request.request_id not in failures]
         self.scheduler.on_step_computed(out)
-        outputs: list[RequestOutput] = []
-        finished: list[Request] = []
-        if sampled:
-            rows = [
-                SamplingRow(
-                    s.request.params,
-                    s.request.prompt_token_ids,
-                    s.request.output_token_ids,
-                    s.request.stop_token_ids,
-                    s.request.generator,
-                    self._token_counts(s.request) if s.request.params.has_penalties else None,
-                )
-                for s in sampled
-            ]
-            result = sample(logits, rows, self.generator)
-            for i, (s, token_id, lp) in enumerate(
-                zip(sampled, result.token_ids, result.logprobs, strict=True)
-            ):
-                req = s.request
-                try:
-                    if i in result.errors:
-                        raise result.errors[i]
-                    self._append_token(req, token_id, lp)
-                except Exception as exc:
-                    failures[req.request_id] = exc
-                    continue
-                if req.finished:
-                    finished.append(req)
-                output = req.take_output()
-                if output is not None:
-                    outputs.append(output)
         self.scheduler.remove_finished(finished)
         for req in finished:
             del self.requests[req.request_id]
@@ -291,9 +340,14 @@ class LLMEngine:
     ) -> tuple[torch.Tensor, list[ScheduledRequest]]:
         """Run the batch; if that raises, run its requests one at a time, so the request that
         causes the error fails alone (recorded in `failures`) and the others still advance.
-        Rerunning is safe: a request's new KV entries are simply written again."""
+        Rerunning is safe: a request's new KV entries are simply written again. A lost
+        tensor-parallel rank is no request's fault: it escapes, failing the engine."""
+        fresh = self.kv.take_fresh_blocks()
         try:
-            return self.runner.execute(batch)
+            step, sampled = self.step_builder.build(batch, fresh)
+            return self.executor.execute(step), sampled
+        except WorkerFailedError:
+            raise
         except Exception as exc:
             if len(batch) == 1:
                 failures[batch[0].request.request_id] = exc
@@ -303,16 +357,74 @@ class LLMEngine:
                 extra={"requests": len(batch), "error": repr(exc)},
             )
         parts: list[torch.Tensor] = []
-        sampled: list[ScheduledRequest] = []
+        sampled = []
         for s in batch:
             try:
-                logits, rows = self.runner.execute([s])
+                # The blocks first used in this step are zeroed once, before any is written.
+                step, rows = self.step_builder.build([s], fresh)
+                fresh = range(0)
+                logits = self.executor.execute(step)
+            except WorkerFailedError:
+                raise
             except Exception as exc:
                 failures[s.request.request_id] = exc
                 continue
             parts.append(logits)
             sampled += rows
         return (torch.cat(parts) if parts else torch.empty(0)), sampled
+
+    def _sample(
+        self, logits: torch.Tensor, sampled: list[ScheduledRequest]
+    ) -> list[tuple[ScheduledRequest, list[int], list[Any], Exception | None]]:
+        """New tokens (and their logprobs) per sampled request: one from a plain row, or the
+        verified drafts and one more from a request's draft rows; or the exception that
+        sampling raised for that request alone."""
+        plain: list[int] = []  # logits rows of requests without drafts
+        drafted: list[tuple[ScheduledRequest, int]] = []  # (request, its first row)
+        row = 0
+        for s in sampled:
+            if s.spec_token_ids:
+                drafted.append((s, row))
+            else:
+                plain.append(row)
+            row += 1 + len(s.spec_token_ids)
+        results: dict[int, tuple[list[int], list[Any], Exception | None]] = {}
+        plain_requests = [s for s in sampled if not s.spec_token_ids]
+        if plain_requests:
+            plain_logits = logits if not drafted else logits[plain]
+            rows = [self._sampling_row(s.request) for s in plain_requests]
+            result = sample(plain_logits, rows, self.generator)
+            for i, (s, token_id, lp) in enumerate(
+                zip(plain_requests, result.token_ids, result.logprobs, strict=True)
+            ):
+                results[id(s)] = ([token_id], [lp], result.errors.get(i))
+        for s, first in drafted:
+            drafts = s.spec_token_ids
+            try:
+                verified = verify(
+                    logits[first : first + 1 + len(drafts)],
+                    self._sampling_row(s.request),
+                    drafts,
+                    self.generator,
+                )
+            except Exception as exc:
+                results[id(s)] = ([], [], exc)
+                continue
+            self._spec_drafts += 1
+            self._spec_draft_tokens += len(drafts)
+            self._spec_accepted_tokens += verified.num_accepted
+            results[id(s)] = (verified.token_ids, verified.logprobs, None)
+        return [(s, *results[id(s)]) for s in sampled]
+
+    def _sampling_row(self, req: Request) -> SamplingRow:
+        return SamplingRow(
+            req.params,
+            req.prompt_token_ids,
+            req.output_token_ids,
+            req.stop_token_ids,
+            req.generator,
+            self._token_counts(req) if req.params.has_penalties else None,
+        )
 
     def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
         log.error(
@@ -339,7 +451,10 @@ class LLMEngine:
             return  # no free block to probe with; the next step tells
         probe = Request(_PROBE_ID, None, [0], _PROBE_PARAMS, frozenset())
         try:
-            logits, _ = self.runner.execute([ScheduledRequest(probe, 1, True)])
+            step, _ = self.step_builder.build(
+                [ScheduledRequest(probe, 1, True)], self.kv.take_fresh_blocks()
+            )
+            logits = self.executor.execute(step)
             row = SamplingRow(_PROBE_PARAMS, probe.prompt_token_ids, [], frozenset(), None)
             errors = sample(logits, [row], self.generator).errors
             if errors:
@@ -359,7 +474,7 @@ class LLMEngine:
                 self.model_config.vocab_size,
                 req.prompt_token_ids,
                 req.output_token_ids,
-                self.device,
+                self.sample_device,
             )
         return req.token_counts
 
@@ -426,6 +541,9 @@ class LLMEngine:
             num_kv_blocks=self.kv.num_blocks,
             block_size=self.kv.block_size,
             finished=dict(self._finished),
+            spec_decode_num_drafts=self._spec_drafts,
+            spec_decode_num_draft_tokens=self._spec_draft_tokens,
+            spec_decode_num_accepted_tokens=self._spec_accepted_tokens,
         )
 
     @staticmethod
@@ -442,24 +560,27 @@ class LLMEngine:
             )
         return requested
 
+    def _check_pool(self, num_blocks: int) -> None:
+        block_size = self.config.block_size
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * block_size} tokens "
+                f"({num_blocks} blocks of {block_size}), fewer than max_model_len="
+                f"{self.max_model_len}: give it more blocks or lower max_model_len"
+            )
+
     def _blocks_from_budget(self) -> int:
-        free = _free_memory_bytes(self.device)
-        per_block = self.config.block_size * self.model_config.kv_bytes_per_token(self.dtype)
+        free = self.executor.free_memory_per_rank()
+        cfg, tp = self.model_config, self.config.tensor_parallel_size
+        per_token = kv_cache.bytes_per_token(
+            cfg.num_layers,
+            cfg.num_kv_heads // tp,
+            cfg.head_dim,
+            self.config.kv_cache_dtype,
+            self.dtype,
+        )
+        per_block = self.config.block_size * per_token
         budget_blocks = int(free * self.config.kv_cache_memory_fraction) // per_block
         # Never more than every running sequence at full length could use.
         needed = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
         return max(1, min(budget_blocks, needed))
-
-
-def _free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from fleetllm.engine.config import EngineConfig
+from fleetllm.engine.config import EngineConfig, SpeculativeConfig
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.request import RequestOutput
 from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -47,6 +47,10 @@ class LLM:
         skip_tokenizer_init: bool = False,
         enforce_eager: bool = False,
         load_format: str = "auto",
+        tensor_parallel_size: int = 1,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+        speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -65,9 +69,24 @@ class LLM:
                 skip_tokenizer_init=skip_tokenizer_init,
                 enforce_eager=enforce_eager,
                 load_format=load_format,
+                tensor_parallel_size=tensor_parallel_size,
+                quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype,
+                speculative_config=speculative_config,
             )
         )
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes now (they also stop when the LLM is collected
+        or the interpreter exits)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         if self.engine.tokenizer is None:

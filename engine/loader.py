@@ -1,4 +1,7 @@
-"""Loads Hugging Face safetensors checkpoints (single file or sharded) into the model."""
+"""Loads Hugging Face safetensors checkpoints (single file or sharded) into the model.
+
+Under tensor parallelism each rank reads only its shard of every tensor (safetensors slices),
+so no rank ever holds the whole model."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from safetensors import safe_open
 from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.cpu_linear import pack_linear_layers, packing_supported
 from fleetllm.engine.model import STACKED_PARAMS, LlamaForCausalLM, RotaryEmbedding
+from fleetllm.engine.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +45,27 @@ def load_model(
     max_positions: int,
     batch_hint: int = 1,
     load_format: str = "auto",
+    tp: TensorParallel | None = None,
+    pack: bool = True,
 ) -> LlamaForCausalLM:
     """`batch_hint`: the usual number of rows per forward (the decode batch), for kernels that
     lay their weights out for a batch size. `load_format="dummy"` (vLLM's name) reads no
-    checkpoint: the weights are random, for benchmarks of a model's shapes."""
+    checkpoint: the weights are random, for benchmarks of a model's shapes. `tp`: this rank's
+    shard (default: all of it). `pack`: reorder half-precision linears for the CPU (off when
+    another format replaces them)."""
+    tp = tp or TensorParallel()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, tp)
     if load_format == "dummy":
         _random_weights(model, dtype, device)
     else:
-        _load_checkpoint(model, model_dir, cfg, dtype, device)
+        _load_checkpoint(model, model_dir, cfg, dtype, device, tp)
     # Buffers are not in the checkpoint; build the RoPE tables for real.
     model.model.rotary = RotaryEmbedding(cfg, max_positions).to(device)
     model.eval()
-    packed = pack_linear_layers(model, batch_hint) if packing_supported(dtype, device) else 0
+    packed = 0
+    if pack and packing_supported(dtype, device):
+        packed = pack_linear_layers(model, batch_hint)
     log.info(
         "loaded model",
         extra={
@@ -62,6 +73,8 @@ def load_model(
             "dtype": str(dtype),
             "load_format": load_format,
             "packed_linears": packed,
+            "tensor_parallel_rank": tp.rank,
+            "tensor_parallel_size": tp.size,
         },
     )
     return model
@@ -88,6 +101,7 @@ def _load_checkpoint(
     cfg: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
+    tp: TensorParallel,
 ) -> None:
     expected = set(model.state_dict())
     if cfg.tie_word_embeddings:
@@ -101,10 +115,10 @@ def _load_checkpoint(
                     continue
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
-                tensor = f.get_tensor(name).to(device=device, dtype=dtype)
                 target, index = _fused_target(name)
                 if target not in expected:
                     raise ValueError(f"{path.name}: unexpected tensor {name!r} for this model")
+                tensor = _read_shard(f, name, cfg, tp).to(device=device, dtype=dtype)
                 if index is None:
                     weights[target] = tensor
                 else:
@@ -127,6 +141,42 @@ def _load_checkpoint(
     model.load_state_dict(weights, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+# How each checkpoint tensor splits under tensor parallelism, by module name: "rows" splits the
+# output dimension evenly (column-parallel), "columns" the input dimension (row-parallel),
+# "vocab" the rows by vocabulary share. Anything else (norms) is replicated.
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+_VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+
+
+def _read_shard(f: object, name: str, cfg: ModelConfig, tp: TensorParallel) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name`, read without loading the rest."""
+    if tp.size == 1:
+        return f.get_tensor(name)  # type: ignore[attr-defined]
+    module_path, _, leaf = name.rpartition(".")
+    module = module_path.rpartition(".")[2]
+    tensor = f.get_slice(name)  # type: ignore[attr-defined]
+    rows = tensor.get_shape()[0]
+    if module in _COLUMN_PARALLEL:
+        start, end = tp.split(rows)
+        return tensor[start:end]
+    if module in _ROW_PARALLEL:
+        if leaf == "bias":
+            # Added once: the ranks' partial outputs are summed, so only rank 0 adds it.
+            full = tensor[:]
+            return full if tp.rank == 0 else torch.zeros_like(full)
+        start, end = tp.split(tensor.get_shape()[1])
+        return tensor[:, start:end]
+    if module in _VOCAB_PARALLEL:
+        start, end, shard_rows = tp.vocab_split(cfg.vocab_size)
+        part = tensor[start:end]
+        if part.shape[0] < shard_rows:
+            padding = part.new_zeros((shard_rows - part.shape[0], *part.shape[1:]))
+            part = torch.cat([part, padding])
+        return part
+    return tensor[:]
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:

@@ -177,6 +177,22 @@ class _StatsCollector(Collector):
             "Number of generation tokens processed.",
             s.generation_tokens if s else 0,
         )
+        # Speculative decoding (zero without it), as vLLM's V1 engine counts it.
+        yield counter(
+            "vllm:spec_decode_num_drafts",
+            "Number of spec decoding drafts.",
+            s.spec_decode_num_drafts if s else 0,
+        )
+        yield counter(
+            "vllm:spec_decode_num_draft_tokens",
+            "Number of draft tokens.",
+            s.spec_decode_num_draft_tokens if s else 0,
+        )
+        yield counter(
+            "vllm:spec_decode_num_accepted_tokens",
+            "Number of accepted tokens.",
+            s.spec_decode_num_accepted_tokens if s else 0,
+        )
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",

@@ -7,6 +7,9 @@ cast to the model dtype) so greedy decoding matches it token for token.
 The model works on a flattened batch: `input_ids` and `positions` are [num_tokens], mixing
 prefill chunks and decodes; attention is delegated to an attention backend that reads the
 step's `AttentionMetadata`.
+
+Under tensor parallelism (`parallel.TensorParallel`) every module is built with this rank's
+share of the heads, the MLP and the vocabulary; the loader fills in the matching shard.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from torch import nn
 
 from fleetllm.engine.attention import AttentionMetadata, TorchPagedAttention
 from fleetllm.engine.config import ModelConfig
+from fleetllm.engine.kv_cache import KVCache
+from fleetllm.engine.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -95,24 +100,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.tp = tp
+        self.num_heads = cfg.num_heads // tp.size
+        self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_size = cfg.num_heads * d
-        self.kv_size = cfg.num_kv_heads * d
-        # q, k and v in one matmul: the checkpoint's q_proj/k_proj/v_proj stacked by rows.
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        # q, k and v in one matmul: the checkpoint's q_proj/k_proj/v_proj stacked by rows
+        # (this rank's heads of each). o_proj takes this rank's heads' columns.
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, h, bias=cfg.o_bias)
-        self.attn = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, d, d**-0.5)
+        self.attn = TorchPagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
 
     def forward(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[KVCache, KVCache],
         md: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -122,21 +129,45 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, *rope)
         o = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], md)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.tp = tp
+        h, i = cfg.hidden_size, cfg.intermediate_size // tp.size
         self.intermediate_size = i
-        # gate and up in one matmul: the checkpoint's gate_proj/up_proj stacked by rows.
+        # gate and up in one matmul: the checkpoint's gate_proj/up_proj stacked by rows
+        # (this rank's slice of each); down_proj takes the slice's columns.
         self.gate_up_proj = nn.Linear(h, 2 * i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings; under tensor parallelism each rank holds the rows of its share of
+    the vocabulary, looks up the ids that fall in it (zeros elsewhere), and the ranks' rows
+    are summed."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_start, self.vocab_end, rows = tp.vocab_split(cfg.vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, cfg.hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.lookup(input_ids)
+        inside = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        rows = self.lookup((input_ids - self.vocab_start) * inside)
+        return self.tp.all_reduce(rows * inside[:, None].to(rows.dtype))
+
+    def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(local_ids, self.weight)
 
 
 # Checkpoint tensors that load as row slices of one fused parameter:
@@ -151,10 +182,10 @@ STACKED_PARAMS = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -162,7 +193,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[KVCache, KVCache],
         md: AttentionMetadata,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, md)
@@ -170,10 +201,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg, max_positions)
 
@@ -181,7 +212,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[KVCache, KVCache]],
         md: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -192,11 +223,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp = tp or TensorParallel()
+        self.model = LlamaModel(cfg, max_positions, tp)
+        # Vocab-parallel: this rank's vocabulary rows, as the embedding.
+        _, _, vocab_rows = tp.vocab_split(cfg.vocab_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -204,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[KVCache, KVCache]],
         md: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
@@ -215,6 +251,10 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.attn = backend
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the given rows (computed in the model dtype, as HF does)."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits for the given rows (computed in the model dtype, as HF does); under
+        tensor parallelism gathered on rank 0, and None on the other ranks."""
+        logits = self.tp.gather_last_dim(self.lm_head(hidden))
+        if logits is None:
+            return None
+        return logits[:, : self.config.vocab_size].float()

@@ -1,9 +1,16 @@
-"""Runs one scheduled step through the model: builds the flattened batch and its attention
-metadata, owns the KV cache tensors, and returns the logits of the rows to sample.
+"""Runs one scheduled step through the model.
+
+The engine turns the scheduler's batch into a `StepInput` (`StepBuilder`): plain lists of token
+ids, positions, the requests' places in the batch and what changed in their block tables,
+small enough to send to every tensor-parallel rank each step. A `ModelRunner` (one per rank)
+owns that rank's model shard and KV cache tensors, keeps the block tables as tensor rows, builds
+the step's tensors and attention metadata, and returns the logits.
 
 On CUDA it also sets the model up for the GPU: the Triton paged-attention kernels where they
 measure faster than the torch reference (triton_attention.py), and decode steps replayed from
-CUDA graphs (cuda_graphs.py) unless `enforce_eager`.
+CUDA graphs (cuda_graphs.py) unless `enforce_eager`. Both read the cache tensors directly, so a
+quantized KV cache keeps the reference attention; graphs also stay off across tensor-parallel
+ranks (their collectives are not captured).
 """
 
 from __future__ import annotations
@@ -14,37 +21,123 @@ from dataclasses import dataclass
 
 import torch
 
+from fleetllm.engine import kv_cache
 from fleetllm.engine.attention import AttentionMetadata, build_metadata
 from fleetllm.engine.block_manager import NULL_BLOCK, KVCacheManager
 from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from fleetllm.engine.kv_cache import KVCache
 from fleetllm.engine.model import LlamaForCausalLM
 from fleetllm.engine.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
 
 
-class BlockTables:
-    """The block tables of the requests in flight, each a row of block ids (a tensor padded
-    with the null block), extended each step by only the blocks its request gained."""
+@dataclass
+class StepInput:
+    """One step's batch, decodes first, then the prefill chunks (and the verification chunks
+    of speculative decoding), in flattened token order."""
 
-    def __init__(self, kv: KVCacheManager, width: int) -> None:
+    token_ids: list[int]
+    positions: list[int]
+    decodes: list[tuple[str, int]]  # (request id, context length) per decode
+    prefills: list[tuple[str, int, int]]  # (request id, computed before, query length)
+    # Block-table changes since the step before: request id -> (first changed index, the ids
+    # from there on); the table is then that long. Requests not in a step are forgotten.
+    table_updates: dict[str, tuple[int, list[int]]]
+    logits_indices: list[int]  # rows whose logits the step returns
+    fresh_blocks: tuple[int, int]  # [start, stop) of block ids used for the first time
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [rid for rid, _ in self.decodes] + [rid for rid, _, _ in self.prefills]
+
+
+class StepBuilder:
+    """Builds the `StepInput`s of one engine (its ranks see them in order), sending each
+    request's block table whole once and then only what changed."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
+        self._sent: dict[str, list[int]] = {}  # request id -> the table as the ranks have it
+
+    def build(
+        self, batch: list[ScheduledRequest], fresh_blocks: range
+    ) -> tuple[StepInput, list[ScheduledRequest]]:
+        """The step's input, and the requests that sample, in the order of their logits rows
+        (a request with draft tokens has one row per draft plus one). `fresh_blocks`: the
+        blocks to zero before the step writes any (`KVCacheManager.take_fresh_blocks`)."""
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        for s in batch:
+            is_decode = s.num_new_tokens == 1 and s.request.num_computed_tokens > 0
+            (decodes if is_decode else prefills).append(s)
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        for s in decodes + prefills:
+            start = s.request.num_computed_tokens
+            known = s.num_new_tokens - len(s.spec_token_ids)
+            ids.extend(s.request.all_token_ids[start : start + known])
+            ids.extend(s.spec_token_ids)  # draft tokens follow the last known token
+            positions.extend(range(start, start + s.num_new_tokens))
+            if s.samples:
+                rows = 1 + len(s.spec_token_ids)
+                logits_indices.extend(range(len(ids) - rows, len(ids)))
+                sampled.append(s)
+        step = StepInput(
+            token_ids=ids,
+            positions=positions,
+            decodes=[(s.request.request_id, s.request.num_computed_tokens + 1) for s in decodes],
+            prefills=[
+                (s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens)
+                for s in prefills
+            ],
+            table_updates=self._table_updates([s.request.request_id for s in batch]),
+            logits_indices=logits_indices,
+            fresh_blocks=(fresh_blocks.start, fresh_blocks.stop),
+        )
+        return step, sampled
+
+    def _table_updates(self, request_ids: list[str]) -> dict[str, tuple[int, list[int]]]:
+        updates: dict[str, tuple[int, list[int]]] = {}
+        sent: dict[str, list[int]] = {}
+        for rid in request_ids:
+            table = self.kv.block_table(rid)
+            before = self._sent.get(rid, [])
+            same = min(len(before), len(table))
+            if before[:same] != table[:same]:  # blocks replaced: after a preemption, say
+                same = next(i for i in range(same) if before[i] != table[i])
+            if same < len(table) or len(table) < len(before):
+                updates[rid] = (same, table[same:])
+            sent[rid] = list(table)  # the manager extends its list in place
+        self._sent = sent
+        return updates
+
+
+class BlockTables:
+    """A rank's block tables of the requests in flight, each a row of block ids (a tensor
+    padded with the null block), changed each step by only what the step's input says."""
+
+    def __init__(self, width: int) -> None:
         self.width = width  # blocks of the longest sequence
-        # request id -> (the block manager's live id list, row, ids written to the row)
-        self._rows: dict[str, tuple[list[int], torch.Tensor, int]] = {}
+        self._rows: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> (row, length)
+
+    def update(self, request_id: str, first: int, block_ids: list[int]) -> None:
+        row, length = self._rows.get(request_id) or (
+            torch.full((self.width,), NULL_BLOCK, dtype=torch.long),
+            0,
+        )
+        end = first + len(block_ids)
+        if block_ids:
+            row[first:end] = torch.tensor(block_ids, dtype=torch.long)
+        if end < length:
+            row[end:length] = NULL_BLOCK  # released blocks (rejected drafts' slots)
+        self._rows[request_id] = (row, end)
 
     def row(self, request_id: str) -> torch.Tensor:
-        ids = self.kv.block_table(request_id)
-        entry = self._rows.get(request_id)
-        if entry is None or entry[0] is not ids:  # new, or freed and allocated again
-            entry = (ids, torch.full((self.width,), NULL_BLOCK, dtype=torch.long), 0)
-        _, row, written = entry
-        if len(ids) > written:
-            row[written : len(ids)] = torch.tensor(ids[written:], dtype=torch.long)
-            entry = (ids, row, len(ids))
-        self._rows[request_id] = entry
-        return row
+        return self._rows[request_id][0]
 
     def retain(self, request_ids: Iterable[str]) -> None:
         """Forget every row but these (the requests of the current step)."""
@@ -57,7 +150,6 @@ class ModelInput:
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states to turn into logits
-    sampled: list[ScheduledRequest]  # in the order of logits_indices
 
 
 class ModelRunner:
@@ -65,34 +157,37 @@ class ModelRunner:
         self,
         model: LlamaForCausalLM,
         cfg: ModelConfig,
-        kv: KVCacheManager,
+        num_blocks: int,
+        block_size: int,
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int,
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = 1,
         enforce_eager: bool = False,
     ) -> None:
         self.model = model
-        self.kv = kv
         self.device = device
-        self.block_tables = BlockTables(kv, kv.blocks_needed(max_model_len))
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.block_tables = BlockTables(-(-max_model_len // block_size))
         # One extra block for the null block (id 0). The pool starts uninitialised, so the
         # operating system commits its memory only as blocks come into use; each block is
-        # zeroed on its first use (see BlockPool), the null block right away.
-        self.block_size = kv.block_size
-        slots = (kv.num_blocks + 1) * kv.block_size
-        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
+        # zeroed on its first use (see BlockPool), the null block right away. A tensor-
+        # parallel rank holds its own KV heads only.
+        slots = (num_blocks + 1) * block_size
+        kv_heads = cfg.num_kv_heads // model.tp.size
+        self.kv_caches: list[tuple[KVCache, KVCache]] = [
             (
-                torch.empty(shape, dtype=dtype, device=device),
-                torch.empty(shape, dtype=dtype, device=device),
+                kv_cache.allocate(slots, kv_heads, cfg.head_dim, kv_cache_dtype, dtype, device),
+                kv_cache.allocate(slots, kv_heads, cfg.head_dim, kv_cache_dtype, dtype, device),
             )
             for _ in range(cfg.num_layers)
         ]
         self._zero_blocks(range(NULL_BLOCK, NULL_BLOCK + 1))
         self.graphs: DecodeGraphs | None = None
-        if device.type == "cuda":
-            self._setup_gpu(max_model_len, max_num_seqs, enforce_eager)
+        if device.type == "cuda" and kv_cache_dtype == "auto":
+            self._setup_gpu(max_model_len, max_num_seqs, enforce_eager or model.tp.size > 1)
 
     def _setup_gpu(self, max_model_len: int, max_num_seqs: int, enforce_eager: bool) -> None:
         try:
@@ -102,6 +197,7 @@ class ModelRunner:
             return
         attn = self.model.model.layers[0].self_attn.attn  # this device's heads
         k_cache, v_cache = self.kv_caches[0]
+        assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
         backend = triton_attention.measured_backend(
             attn.num_heads,
             attn.num_kv_heads,
@@ -110,7 +206,7 @@ class ModelRunner:
             k_cache,
             v_cache,
             self.block_size,
-            self.kv.num_blocks,
+            self.num_blocks,
             max_model_len,
             max_num_seqs,
         )
@@ -128,87 +224,64 @@ class ModelRunner:
         if not enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model,
-                self.kv_caches,
+                self.kv_caches,  # type: ignore[arg-type]  # plain tensors (checked above)
                 self.block_size,
                 self.block_tables.width,
                 capture_sizes(max_num_seqs),
                 self.device,
             )
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(kv_cache.nbytes(k) + kv_cache.nbytes(v) for k, v in self.kv_caches)
+
     def _zero_blocks(self, blocks: range) -> None:
         if blocks:
             rows = slice(blocks.start * self.block_size, blocks.stop * self.block_size)
             for k_cache, v_cache in self.kv_caches:
-                k_cache[rows].zero_()
-                v_cache[rows].zero_()
+                kv_cache.zero(k_cache, rows)
+                kv_cache.zero(v_cache, rows)
 
-    def prepare(self, batch: list[ScheduledRequest]) -> ModelInput:
-        """Order the batch decodes-first and describe it for the model."""
-        decodes: list[ScheduledRequest] = []
-        prefills: list[ScheduledRequest] = []
-        for s in batch:
-            (decodes if _is_decode(s) else prefills).append(s)
-        ids: list[int] = []
-        positions: list[int] = []
-        logits_indices: list[int] = []
-        sampled: list[ScheduledRequest] = []
-        for s in decodes + prefills:
-            start = s.request.num_computed_tokens
-            end = start + s.num_new_tokens
-            ids.extend(s.request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            if s.samples:
-                logits_indices.append(len(ids) - 1)
-                sampled.append(s)
+    def prepare(self, step: StepInput) -> ModelInput:
         tables = self.block_tables
+        for request_id, (first, block_ids) in step.table_updates.items():
+            tables.update(request_id, first, block_ids)
         md = build_metadata(
-            self.kv.block_size,
-            [
-                (tables.row(s.request.request_id), s.request.num_computed_tokens + 1)
-                for s in decodes
-            ],
-            [
-                (
-                    tables.row(s.request.request_id),
-                    s.request.num_computed_tokens,
-                    s.num_new_tokens,
-                )
-                for s in prefills
-            ],
+            self.block_size,
+            [(tables.row(rid), context) for rid, context in step.decodes],
+            [(tables.row(rid), computed, qlen) for rid, computed, qlen in step.prefills],
             self.device,
         )
-        tables.retain(s.request.request_id for s in batch)
+        tables.retain(step.request_ids)
         return ModelInput(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            input_ids=torch.tensor(step.token_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(step.positions, dtype=torch.long, device=self.device),
             attn_metadata=md,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
-            sampled=sampled,
+            logits_indices=torch.tensor(step.logits_indices, dtype=torch.long, device=self.device),
         )
 
-    def execute(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
-        """Float32 logits [num_sampled, vocab] and the requests they belong to."""
-        self._zero_blocks(self.kv.take_fresh_blocks())
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Float32 logits [len(logits_indices), vocab]; None on tensor-parallel ranks other
+        than 0."""
+        self._zero_blocks(range(*step.fresh_blocks))
         graphs = self.graphs
         if (
             graphs is not None
-            and len(batch) <= graphs.max_size
-            and all(_is_decode(s) and s.samples for s in batch)
+            and not step.prefills
+            and len(step.decodes) <= graphs.max_size
+            and step.logits_indices == list(range(len(step.decodes)))
         ):
-            reqs = [s.request for s in batch]
-            tables = [self.block_tables.row(r.request_id) for r in reqs]
-            self.block_tables.retain(r.request_id for r in reqs)
-            logits = graphs.run(
-                [r.all_token_ids[r.num_computed_tokens] for r in reqs],
-                [r.num_computed_tokens for r in reqs],
-                tables,
-                [r.num_computed_tokens + 1 for r in reqs],
+            tables = self.block_tables
+            for request_id, (first, block_ids) in step.table_updates.items():
+                tables.update(request_id, first, block_ids)
+            tables.retain(step.request_ids)
+            return graphs.run(
+                step.token_ids,
+                step.positions,
+                [tables.row(rid) for rid, _ in step.decodes],
+                [context for _, context in step.decodes],
             )
-            return logits, batch
-        inp = self.prepare(batch)
+        inp = self.prepare(step)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
-        return self.model.compute_logits(hidden[inp.logits_indices]), inp.sampled
-
-
-def _is_decode(s: ScheduledRequest) -> bool:
-    return s.num_new_tokens == 1 and s.request.num_computed_tokens > 0
+        return self.model.compute_logits(hidden[inp.logits_indices])

@@ -45,6 +45,13 @@ class TokenCounts:
         self.output[token_id] += 1
         self.seen[token_id] = True
 
+    def plus(self, token_id: int) -> TokenCounts:
+        """A copy with one more output token (a draft token under verification)."""
+        copy = object.__new__(TokenCounts)
+        copy.output, copy.seen = self.output.clone(), self.seen.clone()
+        copy.add(token_id)
+        return copy
+
 
 @dataclass
 class SamplingRow:
@@ -100,6 +107,13 @@ def _penalize(logits: torch.Tensor, i: int, row: SamplingRow) -> None:
         logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def process_row(logits: torch.Tensor, i: int, row: SamplingRow) -> None:
+    """In place, row i: min_tokens masking, then penalties."""
+    if len(row.output_token_ids) < row.params.min_tokens and row.stop_token_ids:
+        logits[i, list(row.stop_token_ids)] = float("-inf")
+    _penalize(logits, i, row)
+
+
 def needs_filtering(params: SamplingParams) -> bool:
     return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
@@ -133,12 +147,9 @@ def sample(
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     for i, row in enumerate(rows):
-        masks_stops = len(row.output_token_ids) < row.params.min_tokens and row.stop_token_ids
-        if masks_stops or row.params.has_penalties:
+        if len(row.output_token_ids) < row.params.min_tokens or row.params.has_penalties:
             with result.guard(i):
-                if masks_stops:
-                    logits[i, list(row.stop_token_ids)] = float("-inf")
-                _penalize(logits, i, row)
+                process_row(logits, i, row)
 
     # max() returns the first maximal index like argmax, and is faster on CPU.
     tokens = logits.max(dim=-1).indices
@@ -230,3 +241,14 @@ def _logprobs(
     for r in range(n):
         entries.setdefault(int(ids[r]), Logprob(values[r], r + 1))
     return tok_lp, entries
+
+
+def logprob_entries(
+    raw_logprobs: torch.Tensor, token_ids: list[int], n: int
+) -> list[tuple[float, dict[int, Logprob]]]:
+    """Row j's chosen token token_ids[j]: its logprob, and entries with its rank and the top-n
+    (one read-back for all rows)."""
+    tokens = torch.tensor(token_ids, device=raw_logprobs.device)
+    wanted = [(j, n) for j in range(len(token_ids))]
+    figures = _logprob_figures(raw_logprobs[: len(token_ids)], tokens, wanted).tolist()
+    return [_logprobs(tok, row, n, n) for tok, row in zip(token_ids, figures, strict=True)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleetllm.engine.block_manager import KVCacheManager
@@ -24,6 +25,9 @@ class ScheduledRequest:
     # Whether this step computes the request's last known token, and so yields a new one
     # (false for all but the last chunk of a chunked prefill).
     samples: bool
+    # Draft tokens to verify after the last known token (speculative decoding); they count
+    # in num_new_tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, req: Request, num_new_tokens: int) -> ScheduledRequest:
@@ -41,11 +45,22 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+# Draft tokens for a decoding request, at most the given number (speculative decoding).
+Proposer = Callable[[Request, int], list[int]]
+
+
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        proposer: Proposer | None = None,
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.proposer = proposer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -64,15 +79,27 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
+            drafts: list[int] = []
+            if self.proposer is not None and num_new == 1 and budget > 1:
+                drafts = self.proposer(req, budget - 1)
+            while not self.kv.allocate(
+                req.request_id, req.num_computed_tokens + num_new + len(drafts)
+            ):
+                if drafts:  # drafts are optional: drop them before preempting anyone
+                    drafts = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest.of(req, num_new))
-                budget -= num_new
+                scheduled = ScheduledRequest.of(req, num_new)
+                if drafts:
+                    scheduled.spec_token_ids = drafts
+                    scheduled.num_new_tokens += len(drafts)
+                out.scheduled.append(scheduled)
+                budget -= scheduled.num_new_tokens
                 i += 1
 
         # Requests preempted this step wait for the next one: admitting new work now would
@@ -102,11 +129,16 @@ class Scheduler:
         return out
 
     def on_step_computed(self, out: SchedulerOutput) -> None:
-        """Advance each scheduled request past the tokens the step computed."""
+        """Advance each scheduled request past the tokens the step computed and kept (its
+        tokens appended already). A request with drafts keeps the last known token and the
+        accepted drafts (`num_new_tokens` was set to their count); the blocks that only held
+        rejected drafts go back to the pool."""
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if s.spec_token_ids:
+                self.kv.trim(req.request_id, req.num_tokens)
 
     def remove_finished(self, finished: list[Request]) -> None:
         if not finished:

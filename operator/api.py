@@ -189,13 +189,14 @@ class QuantizationSpec(_Model):
 
     weights: Literal["none", "int8", "fp8", "awq", "gptq"] = Field(
         "none",
-        description="none: 16-bit weights; fp8: quantized at load (Ada/Hopper); int8, awq, "
-        "gptq: the source must be a checkpoint quantized that way.",
+        description="none: unquantized weights; fp8: quantized at load (Ada/Hopper); int8: "
+        "quantized at load by the builtin engine, an int8 checkpoint for vLLM; awq, gptq "
+        "(vLLM only): the source must be a checkpoint quantized that way.",
     )
     kv_cache: Literal["auto", "fp8", "int8"] = Field(
         "auto",
-        description="KV cache element type: auto follows the model dtype; fp8 needs vLLM on "
-        "Ada/Hopper; no backend serves int8 yet (the planner refuses it).",
+        description="KV cache element type: auto follows the model dtype; fp8 needs "
+        "Ada/Hopper; int8 is served by the builtin engine only.",
     )
 
 
@@ -204,6 +205,40 @@ class ParallelismSpec(_Model):
 
     tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel degree.")
     pipeline: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree.")
+
+
+class SpeculativeSpec(_Model):
+    """Speculative decoding (vLLM's speculative_config): draft tokens proposed by matching
+    n-grams in the context, verified in one forward pass; the output is unchanged."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.promptLookupMin <= self.promptLookupMax",
+                    "message": "promptLookupMin must not exceed promptLookupMax",
+                }
+            ]
+        }
+    )
+
+    method: Literal["ngram"] = Field("ngram", description="How drafts are proposed.")
+    num_speculative_tokens: int = Field(ge=1, le=16, description="Draft tokens proposed per step.")
+    prompt_lookup_max: int = Field(
+        4, ge=1, le=64, description="Longest n-gram matched against the context."
+    )
+    prompt_lookup_min: int = Field(
+        1, ge=1, le=64, description="Shortest n-gram matched against the context."
+    )
+
+    @model_validator(mode="after")
+    def _lookup_bounds(self) -> SpeculativeSpec:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"promptLookupMin {self.prompt_lookup_min} exceeds promptLookupMax "
+                f"{self.prompt_lookup_max}"
+            )
+        return self
 
 
 class GPUSpec(_Model):
@@ -421,6 +456,7 @@ class LLMDeploymentSpec(_Model):
     engine: EngineSpec = _default(EngineSpec)
     quantization: QuantizationSpec = _default(QuantizationSpec)
     parallelism: ParallelismSpec = _default(ParallelismSpec)
+    speculative: SpeculativeSpec | None = None
     gpu: GPUSpec
     max_model_len: int | None = Field(
         None,

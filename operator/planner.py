@@ -10,15 +10,21 @@ Pure: no I/O. All byte arithmetic is integer, so figures are reproducible by han
     kv/token    = 2 x ceil(layers / pipeline) x max(1, kv_heads / tensor) x head_dim x kv bytes
     capacity    = floor((budget - weights - overhead) / kv/token), whole blocks of 16 tokens
 
+For the builtin engine, weights and kv/token are exactly what each of its ranks allocates
+(`builtin_weight_bytes`, `builtin_kv_bytes_per_token`); a CPU replica's ranks share the pod's
+memory, so there they are summed over the ranks.
+
 A replica is refused when its capacity is below one maxModelLen sequence.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 from fleetllm.operator.api import LLMDeploymentSpec, ModelSource, PlanStatus, parse_quantity
 from fleetllm.operator.catalog import (
@@ -82,6 +88,10 @@ QUANTIZED_LINEAR_BYTES = {
     "awq": Fraction(1, 2) + Fraction(5, 2 * 128),
     "gptq": Fraction(1, 2) + Fraction(5, 2 * 128),
 }
+
+# The builtin engine's quantized KV cache (int8, fp8) keeps one float32 scale per token and
+# KV head beside the one-byte values.
+BUILTIN_KV_SCALE_BYTES = 4
 
 VLLM_QUANTIZATION_FLAG = {
     # Pre-quantized checkpoints: name the fast Marlin kernels (vLLM picks the slow ones when
@@ -150,6 +160,53 @@ def kv_bytes_per_token(arch: ModelArch, *, tensor: int, pipeline: int, kv_dtype_
     return 2 * layers * kv_heads * arch.head_dim * kv_dtype_bytes
 
 
+def builtin_weight_bytes(
+    arch: ModelArch, *, tensor: int, weights: str, dtype: str, device: str = "cpu"
+) -> int:
+    """Weight bytes one rank of the builtin engine holds: its share of every projection (heads
+    and MLP split evenly), of the vocabulary (ceil(vocab / tensor) rows of the embedding and
+    of an untied head), and the norms whole. Quantized (int8, fp8): one byte per value of the
+    projections, the embedding and the head, plus one scale per output row in the dtype.
+    On a CPU in bfloat16/float16 the engine keeps its matmul weights reordered for oneDNN, so a
+    tied head is a second copy of the embedding there."""
+    if arch.intermediate_size is None:
+        return math.ceil(weight_bytes(arch, weights, dtype) / tensor)
+    dtype_bytes = DTYPE_BYTES[dtype]
+    hidden, head_dim = arch.hidden_size, arch.head_dim
+    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) // tensor * head_dim
+    mlp = arch.intermediate_size // tensor
+    # (rows, columns) of each matrix of a layer: qkv, o, gate+up, down.
+    layer = [
+        (qkv_rows, hidden),
+        (hidden, arch.num_heads // tensor * head_dim),
+        (2 * mlp, hidden),
+        (hidden, mlp),
+    ]
+    vocab_rows = -(-arch.vocab_size // tensor)
+    matrices = [*layer * arch.num_layers, (vocab_rows, hidden)]
+    packed = device == "cpu" and dtype != "float32" and weights == "none"
+    if not arch.tied_embeddings or packed:
+        matrices.append((vocab_rows, hidden))
+    values = sum(rows * cols for rows, cols in matrices)
+    rows = sum(rows for rows, _ in matrices)
+    norms = (2 * arch.num_layers + 1) * hidden
+    bias = arch.num_layers * qkv_rows if arch.qkv_bias else 0
+    unquantized = (norms + bias) * dtype_bytes
+    if weights == "none":
+        return values * dtype_bytes + unquantized
+    return values * 1 + rows * dtype_bytes + unquantized
+
+
+def builtin_kv_bytes_per_token(arch: ModelArch, *, tensor: int, kv_cache: str, dtype: str) -> int:
+    """KV bytes of one token on one rank of the builtin engine (its KV heads)."""
+    per_head = (
+        arch.head_dim * DTYPE_BYTES[dtype]
+        if kv_cache == "auto"
+        else arch.head_dim + BUILTIN_KV_SCALE_BYTES
+    )
+    return 2 * arch.num_layers * (arch.num_kv_heads // tensor) * per_head
+
+
 def estimate(
     arch: ModelArch,
     gpu: GPUType,
@@ -160,31 +217,49 @@ def estimate(
     weights: str = "none",
     kv_cache: str = "auto",
     memory_bytes: int | None = None,
+    backend: str = "vllm",
 ) -> MemoryEstimate:
-    """Per-device budget of a replica; capacity is 0 when nothing is left for the KV cache."""
+    """Per-device budget of a replica; capacity is 0 when nothing is left for the KV cache.
+    A CPU replica is one device: its tensor-parallel ranks share the pod's memory."""
     tuning = TUNING[gpu.gpu_class]
     memory = gpu.memory_bytes if memory_bytes is None else memory_bytes
     devices = tensor * pipeline
     dtype_bytes = DTYPE_BYTES[dtype]
     kv_dtype_bytes = dtype_bytes if kv_cache == "auto" else 1
+    # Ranks that share this device's memory (several only for CPU replicas).
+    sharing = 1 if gpu.is_gpu else devices
 
     budget = math.floor(memory * tuning.memory_utilization)
-    weights_per_device = math.ceil(weight_bytes(arch, weights, dtype) / devices)
     intermediate = arch.intermediate_size or 4 * arch.hidden_size
     activations = (
         tuning.max_num_batched_tokens
         * (4 * arch.hidden_size + 2 * math.ceil(intermediate / tensor))
         * dtype_bytes
+        * sharing
     )
     logits = tuning.max_num_seqs * arch.vocab_size * 4
     if gpu.is_gpu:
         runtime = RUNTIME_OVERHEAD_GPU + (RUNTIME_OVERHEAD_MULTI_DEVICE if devices > 1 else 0)
     else:
-        runtime = RUNTIME_OVERHEAD_CPU
+        # The engine process, plus one worker process per rank when there are several.
+        runtime = RUNTIME_OVERHEAD_CPU * (1 if devices == 1 else devices + 1)
     overhead = runtime + activations + logits
-    per_token = kv_bytes_per_token(
-        arch, tensor=tensor, pipeline=pipeline, kv_dtype_bytes=kv_dtype_bytes
-    )
+    if backend == "builtin":
+        weights_per_device = sharing * builtin_weight_bytes(
+            arch,
+            tensor=tensor,
+            weights=weights,
+            dtype=dtype,
+            device="cuda" if gpu.is_gpu else "cpu",
+        )
+        per_token = sharing * builtin_kv_bytes_per_token(
+            arch, tensor=tensor, kv_cache=kv_cache, dtype=dtype
+        )
+    else:
+        weights_per_device = math.ceil(weight_bytes(arch, weights, dtype) / devices) * sharing
+        per_token = sharing * kv_bytes_per_token(
+            arch, tensor=tensor, pipeline=pipeline, kv_dtype_bytes=kv_dtype_bytes
+        )
     free = budget - weights_per_device - overhead
     capacity = (max(0, free) // per_token) // BLOCK_SIZE * BLOCK_SIZE
     return MemoryEstimate(
@@ -286,17 +361,18 @@ def _check_backend(spec: LLMDeploymentSpec, gpu: GPUType) -> None:
             "the vllm backend needs a GPU; use engine.backend: builtin for gpu.type: cpu",
         )
     if backend == "builtin":
-        if tp > 1 or pp > 1:
+        if pp > 1:
             raise PlanError(
                 "UnsupportedParallelism",
-                f"the builtin engine runs a replica on one device (tensor {tp}, pipeline {pp}); "
-                "use engine.backend: vllm for tensor or pipeline parallelism",
+                f"the builtin engine has no pipeline parallelism (pipeline {pp}); use "
+                "parallelism.tensor, or engine.backend: vllm",
             )
-        if quant.weights != "none" or quant.kv_cache != "auto":
+        if quant.weights in ("awq", "gptq"):
             raise PlanError(
                 "UnsupportedQuantization",
-                f"the builtin engine serves unquantized weights and KV cache (weights "
-                f"{quant.weights}, kvCache {quant.kv_cache}); use engine.backend: vllm",
+                f"the builtin engine quantizes weights itself at load (int8, or fp8 on GPUs "
+                f"that have it) and serves no {quant.weights} checkpoints; use "
+                "engine.backend: vllm",
             )
     if backend == "vllm" and quant.kv_cache == "int8":
         raise PlanError(
@@ -308,11 +384,12 @@ def _check_backend(spec: LLMDeploymentSpec, gpu: GPUType) -> None:
         if value == "fp8"
     ]
     if uses_fp8 and not gpu.supports_fp8:
+        instead = "int8" if backend == "builtin" else "int8, awq or gptq weights"
         raise PlanError(
             "UnsupportedQuantization",
             f"quantization.{uses_fp8[0]}: fp8 needs an Ada, Hopper or Blackwell GPU "
             f"({', '.join(g.name for g in GPU_TYPES.values() if g.supports_fp8)}); {gpu.name} "
-            f"is {gpu.architecture}. Use int8, awq or gptq weights",
+            f"is {gpu.architecture}. Use {instead}",
         )
     devices = tp * pp
     if devices > MAX_DEVICES_PER_REPLICA:
@@ -320,6 +397,23 @@ def _check_backend(spec: LLMDeploymentSpec, gpu: GPUType) -> None:
             "UnsupportedParallelism",
             f"tensor x pipeline = {devices} devices; a replica runs on one node, at most "
             f"{MAX_DEVICES_PER_REPLICA}",
+        )
+
+
+def _check_builtin_parallelism(arch: ModelArch, tensor: int) -> None:
+    """The builtin engine splits heads, KV heads and the MLP evenly over its ranks."""
+    sizes = [("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads)]
+    if arch.intermediate_size is not None:
+        sizes.append(("intermediate size", arch.intermediate_size))
+    bad = [f"{name} ({value})" for name, value in sizes if value % tensor]
+    if bad:
+        listed = bad[0] if len(bad) == 1 else f"{', '.join(bad[:-1])} and {bad[-1]}"
+        raise PlanError(
+            "ParallelismMismatch",
+            f"{arch.name}'s {listed} {'is' if len(bad) == 1 else 'are'} not divisible by "
+            f"tensor parallelism {tensor} (the builtin engine splits them evenly over its ranks)",
+            _nearest_tensor_sizes(arch, tensor, "builtin"),
+            lead="Valid instead",
         )
 
 
@@ -348,7 +442,15 @@ def _check_parallelism(arch: ModelArch, tensor: int, pipeline: int) -> None:
         )
 
 
-def _valid_tensor_sizes(arch: ModelArch) -> list[int]:
+def _valid_tensor_sizes(arch: ModelArch, backend: str = "vllm") -> list[int]:
+    if backend == "builtin":
+        return [
+            t
+            for t in range(1, MAX_DEVICES_PER_REPLICA + 1)
+            if arch.num_heads % t == 0
+            and arch.num_kv_heads % t == 0
+            and (arch.intermediate_size or 0) % t == 0
+        ]
     return [
         t
         for t in range(1, MAX_DEVICES_PER_REPLICA + 1)
@@ -356,8 +458,9 @@ def _valid_tensor_sizes(arch: ModelArch) -> list[int]:
     ]
 
 
-def _nearest_tensor_sizes(arch: ModelArch, tensor: int) -> tuple[str, ...]:
-    sizes = sorted((t for t in _valid_tensor_sizes(arch) if t > 1), key=lambda t: abs(t - tensor))
+def _nearest_tensor_sizes(arch: ModelArch, tensor: int, backend: str = "vllm") -> tuple[str, ...]:
+    valid = [t for t in _valid_tensor_sizes(arch, backend) if t > 1]
+    sizes = sorted(valid, key=lambda t: abs(t - tensor))
     return tuple(f"parallelism.tensor: {t}" for t in sorted(sizes[:2]))
 
 
@@ -495,77 +598,57 @@ def _suggestions(
     """The smallest changes that make the replica fit, cheapest first."""
     tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
     quant = spec.quantization
-    vllm = spec.engine.backend == "vllm"
+    backend = spec.engine.backend
+    vllm = backend == "vllm"
     found: list[str] = []
 
-    for tensor in (2, 4, 8):
+    base: dict[str, Any] = {
+        "tensor": tp,
+        "pipeline": pp,
+        "dtype": dtype,
+        "weights": quant.weights,
+        "kv_cache": quant.kv_cache,
+        "backend": backend,
+    }
+
+    def fits(target: GPUType = gpu, **changes: Any) -> bool:
+        return _fits(estimate(arch, target, **{**base, **changes}), max_model_len)
+
+    # More devices only add memory on GPUs (a CPU replica's ranks share one pod).
+    for tensor in (2, 4, 8) if gpu.is_gpu else ():
         if tensor <= tp or tensor * pp > MAX_DEVICES_PER_REPLICA:
             continue
-        if tensor not in _valid_tensor_sizes(arch):
+        if tensor not in _valid_tensor_sizes(arch, backend):
             continue
-        est = estimate(
-            arch,
-            gpu,
-            tensor=tensor,
-            pipeline=pp,
-            dtype=dtype,
-            weights=quant.weights,
-            kv_cache=quant.kv_cache,
-        )
-        if _fits(est, max_model_len):
-            prefix = "" if vllm else "engine.backend: vllm with "
-            found.append(f"{prefix}parallelism.tensor: {tensor} ({tensor} x {gpu.name})")
+        if fits(tensor=tensor):
+            found.append(f"parallelism.tensor: {tensor} ({tensor} x {gpu.name})")
             break
 
-    if gpu.is_gpu:
-        options = ["fp8"] if gpu.supports_fp8 else []
-        options += ["int8", "awq"]
-        for weights in options:
-            if weights == quant.weights or (quant.weights in ("awq", "gptq")):
-                continue
-            est = estimate(
-                arch,
-                gpu,
-                tensor=tp,
-                pipeline=pp,
-                dtype=dtype,
-                weights=weights,
-                kv_cache=quant.kv_cache,
-            )
-            if _fits(est, max_model_len):
-                prefix = "" if vllm else "engine.backend: vllm with "
-                # fp8 quantizes at load; int8 and awq need a checkpoint quantized that way.
-                note = "" if weights == "fp8" else f" (an {weights} checkpoint as model.source)"
-                found.append(f"{prefix}quantization.weights: {weights}{note}")
-                break
-        if gpu.supports_fp8 and quant.kv_cache == "auto" and vllm:
-            est = estimate(
-                arch,
-                gpu,
-                tensor=tp,
-                pipeline=pp,
-                dtype=dtype,
-                weights=quant.weights,
-                kv_cache="fp8",
-            )
-            if _fits(est, max_model_len):
-                found.append("quantization.kvCache: fp8")
+    options = ["fp8"] if gpu.supports_fp8 else []
+    options += ["int8", "awq"] if vllm else ["int8"]
+    for weights in options:
+        if weights == quant.weights or quant.weights in ("awq", "gptq"):
+            continue
+        if quant.weights == "int8" and weights == "fp8":
+            continue  # no lighter
+        if fits(weights=weights):
+            # The builtin engine and vLLM's fp8 quantize at load; vLLM's int8 and awq need a
+            # checkpoint quantized that way.
+            quantized_at_load = weights == "fp8" or not vllm
+            note = "" if quantized_at_load else f" (an {weights} checkpoint as model.source)"
+            found.append(f"quantization.weights: {weights}{note}")
+            break
+    if quant.kv_cache == "auto":
+        kv = "fp8" if gpu.supports_fp8 else ("int8" if not vllm else None)
+        if kv is not None and fits(kv_cache=kv):
+            found.append(f"quantization.kvCache: {kv}")
 
     for bigger in sorted(GPU_TYPES.values(), key=lambda g: g.memory_mib):
         if not bigger.is_gpu or bigger.memory_mib <= gpu.memory_mib or not gpu.is_gpu:
             continue
         if (quant.weights == "fp8" or quant.kv_cache == "fp8") and not bigger.supports_fp8:
             continue
-        est = estimate(
-            arch,
-            bigger,
-            tensor=tp,
-            pipeline=pp,
-            dtype=dtype,
-            weights=quant.weights,
-            kv_cache=quant.kv_cache,
-        )
-        if _fits(est, max_model_len):
+        if fits(bigger):
             found.append(f"gpu.type: {bigger.name}")
             break
 
@@ -624,7 +707,10 @@ def plan(
     check_claims(spec, config, claim_access_modes or {})
     _check_gpu_resources(spec, gpu)
     tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
-    _check_parallelism(arch, tp, pp)
+    if spec.engine.backend == "builtin":
+        _check_builtin_parallelism(arch, tp)
+    else:
+        _check_parallelism(arch, tp, pp)
 
     max_model_len = spec.max_model_len or arch.max_position
     if max_model_len > arch.max_position:
@@ -646,6 +732,7 @@ def plan(
         weights=quant.weights,
         kv_cache=quant.kv_cache,
         memory_bytes=memory,
+        backend=spec.engine.backend,
     )
     where = f"{tp * pp} x {gpu.name}" if gpu.is_gpu else f"cpu ({_gib(memory)} GiB)"
     if est.kv_budget_bytes <= 0:
@@ -772,10 +859,11 @@ def _engine_command(
         "--block-size",
         str(BLOCK_SIZE),
     )
+    quant = spec.quantization
     if spec.engine.backend == "builtin":
         # An explicit block count, not a memory fraction: the pool is exactly what was planned
         # and reported, whatever else shares the device or the pod's memory.
-        return ("fleetllm", "engine", "serve"), (
+        builtin = [
             "--model",
             model_path,
             *common,
@@ -789,8 +877,14 @@ def _engine_command(
             str(max_num_seqs),
             "--max-num-batched-tokens",
             str(batched),
-        )
-    quant = spec.quantization
+        ]
+        if spec.parallelism.tensor > 1:
+            builtin += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
+        if quant.weights != "none":
+            builtin += ["--quantization", quant.weights]
+        if quant.kv_cache != "auto":
+            builtin += ["--kv-cache-dtype", quant.kv_cache]
+        return ("fleetllm", "engine", "serve"), (*builtin, *_speculative_args(spec))
     # `vllm serve MODEL`: the positional form (vLLM deprecates --model there).
     args = [
         model_path,
@@ -817,7 +911,22 @@ def _engine_command(
         args += ["--quantization", flag]
     if quant.kv_cache != "auto":
         args += ["--kv-cache-dtype", quant.kv_cache]
+    args += _speculative_args(spec)
     return ("vllm", "serve"), tuple(args)
+
+
+def _speculative_args(spec: LLMDeploymentSpec) -> list[str]:
+    """`--speculative-config` as JSON with vLLM's keys (both backends read the same)."""
+    speculative = spec.speculative
+    if speculative is None:
+        return []
+    config = {
+        "method": speculative.method,
+        "num_speculative_tokens": speculative.num_speculative_tokens,
+        "prompt_lookup_max": speculative.prompt_lookup_max,
+        "prompt_lookup_min": speculative.prompt_lookup_min,
+    }
+    return ["--speculative-config", json.dumps(config, separators=(",", ":"))]
 
 
 # Flags the planner decides, and the spec field to use instead.
@@ -846,6 +955,7 @@ OWNED_FLAGS = {
     "--quantization": "quantization.weights",
     "-q": "quantization.weights",
     "--kv-cache-dtype": "quantization.kvCache",
+    "--speculative-config": "speculative",
 }
 
 

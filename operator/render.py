@@ -203,7 +203,9 @@ def _resources(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[st
         limits: dict[str, str] = {"memory": memory, GPU_RESOURCE: str(plan.devices)}
     else:
         memory = _gib_quantity(plan.estimate.memory_bytes)
-        requests = {"cpu": "2", "memory": memory}
+        # A core per tensor-parallel rank (each rank's process computes its shard).
+        cores = max(2, cr.spec.parallelism.tensor)
+        requests = {"cpu": str(cores), "memory": memory}
         limits = {"memory": memory}
     # The scheduler only counts node disk that is requested: the emptyDirs (a download among
     # them) must fit on the node.

@@ -74,17 +74,17 @@ def test_forward_failure_mid_generation(
     """The batch fails once the poison request has 3 tokens; it is rerun request by request,
     so the poison request fails and the others advance in the same step."""
     engine = make_engine()
-    real_execute = engine.runner.execute
+    real_execute = engine.executor.execute
     calls = {"batched": 0, "single": 0}
 
-    def execute(batch: list[Any]) -> Any:
-        calls["batched" if len(batch) > 1 else "single"] += 1
-        for s in batch:
-            if s.request.request_id == "poison" and len(s.request.output_token_ids) >= 3:
+    def execute(step: Any) -> Any:
+        calls["batched" if len(step.request_ids) > 1 else "single"] += 1
+        for rid in step.request_ids:
+            if rid == "poison" and len(engine.requests[rid].output_token_ids) >= 3:
                 raise RuntimeError("simulated kernel failure")
-        return real_execute(batch)
+        return real_execute(step)
 
-    engine.runner.execute = execute  # type: ignore[method-assign]
+    engine.executor.execute = execute  # type: ignore[method-assign]
     outs = run(engine)
     assert_only_poison_failed(outs, reference, "RuntimeError: simulated kernel failure")
     assert len(outs["poison"].outputs[0].token_ids) == 3
@@ -131,10 +131,10 @@ def test_a_broken_engine_is_a_fault(make_engine: Callable[..., LLMEngine]) -> No
     """Every request fails, and so does the probe: the engine, not the request, is broken."""
     engine = make_engine()
 
-    def broken(batch: list[Any]) -> Any:
+    def broken(step: Any) -> Any:
         raise RuntimeError("device lost")
 
-    engine.runner.execute = broken  # type: ignore[method-assign]
+    engine.executor.execute = broken  # type: ignore[method-assign]
     engine.add_request("r", [1, 2, 3], GREEDY)
     with pytest.raises(EngineFaultError, match="probe request: RuntimeError: device lost"):
         engine.step()
@@ -147,14 +147,14 @@ def test_a_failing_request_sent_again_and_again_never_takes_the_engine_down(
     """Alone in its steps, a failing request fails every one of them; the probe passes each
     time, so the engine is not blamed, however often the request is sent."""
     engine = make_engine()
-    real_execute = engine.runner.execute
+    real_execute = engine.executor.execute
 
-    def execute(batch: list[Any]) -> Any:
-        if any(s.request.request_id.startswith("bad") for s in batch):
+    def execute(step: Any) -> Any:
+        if any(rid.startswith("bad") for rid in step.request_ids):
             raise RuntimeError("bad request data")
-        return real_execute(batch)
+        return real_execute(step)
 
-    engine.runner.execute = execute  # type: ignore[method-assign]
+    engine.executor.execute = execute  # type: ignore[method-assign]
     for i in range(6):
         engine.add_request(f"bad{i}", [1, 2, 3], GREEDY)
         (out,) = engine.step()

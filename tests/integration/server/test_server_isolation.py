@@ -33,20 +33,20 @@ def _factory(model_dir: Path, fault: Fault | None = None) -> Callable[[], LLMEng
             EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
         )
         if fault is not None:
-            real_execute = engine.runner.execute
+            real_execute = engine.executor.execute
 
-            def execute(batch: list[Any]) -> Any:
-                fault(batch)
-                return real_execute(batch)
+            def execute(step: Any) -> Any:
+                fault([engine.requests[r] for r in step.request_ids if r in engine.requests])
+                return real_execute(step)
 
-            engine.runner.execute = execute  # type: ignore[method-assign]
+            engine.executor.execute = execute  # type: ignore[method-assign]
         return engine
 
     return make
 
 
 def _poisoned(batch: list[Any]) -> list[Any]:
-    return [s.request for s in batch if s.request.prompt_token_ids[0] == POISON]
+    return [r for r in batch if r.prompt_token_ids[0] == POISON]
 
 
 async def _started(

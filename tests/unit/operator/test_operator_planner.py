@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -111,9 +112,13 @@ def test_llama_8b_fp16_on_l4_is_refused_with_a_tensor_parallel_suggestion() -> N
     assert awq.status.max_concurrent_sequences >= 1
     assert "--quantization" in awq.status.engine_args
 
-    # The builtin engine cannot split a model: the suggestion says to switch backends.
+    # The builtin engine splits a model over tensor-parallel ranks too, and the suggestion
+    # holds for it as well.
     builtin = refusal(gpu={"type": "L4"})
-    assert "engine.backend: vllm with parallelism.tensor: 2 (2 x L4)" in builtin.suggestions
+    assert "parallelism.tensor: 2 (2 x L4)" in builtin.suggestions
+    split = plan(spec(gpu={"type": "L4"}, parallelism={"tensor": 2}))
+    assert split.status.max_concurrent_sequences >= 1
+    assert split.args[split.args.index("--tensor-parallel-size") + 1] == "2"
 
 
 def test_llama_70b_fp16_needs_four_h100s() -> None:
@@ -202,9 +207,15 @@ def test_tensor_parallelism_must_divide_the_heads() -> None:
         (
             {"quantization": {"weights": "awq"}},
             "UnsupportedQuantization",
-            "builtin engine serves unquantized",
+            "serves no awq checkpoints",
         ),
-        ({"parallelism": {"tensor": 2}}, "UnsupportedParallelism", "one device"),
+        ({"parallelism": {"pipeline": 2}}, "UnsupportedParallelism", "no pipeline parallelism"),
+        (
+            {"parallelism": {"tensor": 3}},
+            "ParallelismMismatch",
+            "Llama-3.1-8B's attention heads (32), KV heads (8) and intermediate size (14336) "
+            "are not divisible by tensor parallelism 3",
+        ),
         (
             {"gpu": {"type": "cpu"}, "engine": {"backend": "vllm"}},
             "UnsupportedBackend",
@@ -423,3 +434,81 @@ def test_refused_for_size_exactly_when_capacity_is_below_one_sequence(
         assert result.status.max_concurrent_tokens >= context
         assert result.status.max_concurrent_sequences >= 1
         assert 1 <= result.status.max_num_seqs <= result.status.max_num_batched_tokens
+
+
+def test_builtin_tensor_parallel_and_int8_are_planned_and_rendered_as_engine_flags() -> None:
+    smol = {"name": "s", "source": "builtin://smollm2-135m"}
+    base = plan(spec(model=smol, gpu={"type": "cpu"}, maxModelLen=8192)).status
+    split = plan(
+        spec(
+            model=smol,
+            gpu={"type": "cpu"},
+            maxModelLen=8192,
+            parallelism={"tensor": 3},
+            quantization={"weights": "int8", "kvCache": "int8"},
+            speculative={"numSpeculativeTokens": 4, "promptLookupMax": 3},
+        )
+    ).status
+    args = split.engine_args
+    flag = {name: args[args.index(name) + 1] for name in args if name.startswith("--")}
+    assert flag["--tensor-parallel-size"] == "3"
+    assert flag["--quantization"] == "int8"
+    assert flag["--kv-cache-dtype"] == "int8"
+    assert json.loads(flag["--speculative-config"]) == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    }
+    # The three ranks share the pod's memory: the figures add up over them. An int8 token
+    # keeps one byte per value and a float32 scale per KV head: (64 + 4) x 3 heads x 2 x 30.
+    assert split.kv_bytes_per_token == 2 * 30 * 3 * (64 + 4)
+    assert base.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4
+    assert split.weights_gib < base.weights_gib / 3.5
+    assert split.kv_cache_dtype == "int8" and split.weights == "int8"
+    # Defaults leave the flags out: the engine's own defaults are the same.
+    assert "--tensor-parallel-size" not in base.engine_args
+    assert "--quantization" not in base.engine_args
+    assert "--speculative-config" not in base.engine_args
+
+
+def test_builtin_tensor_parallel_on_gpus_is_sized_per_device() -> None:
+    one = plan(spec(gpu={"type": "L4"}, maxModelLen=32768)).estimate
+    two = plan(spec(gpu={"type": "L4"}, maxModelLen=32768, parallelism={"tensor": 2})).estimate
+    assert two.kv_bytes_per_token == one.kv_bytes_per_token // 2  # 4 of the 8 KV heads each
+    # Half of every projection and of the vocabulary; the norms on both.
+    assert one.weights_bytes / 2 < two.weights_bytes < one.weights_bytes / 2 * 1.001
+    assert two.capacity_tokens > 2 * one.capacity_tokens
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        (
+            {"parallelism": {"tensor": 2}, "gpu": {"type": "cpu"},
+             "model": {"name": "s", "source": "builtin://smollm2-135m"}},
+            "SmolLM2-135M's attention heads (9) and KV heads (3) are not divisible by tensor "
+            "parallelism 2 (the builtin engine splits them evenly over its ranks)",
+        ),
+        (
+            {"parallelism": {"tensor": 8}, "model": {"name": "q", "source": "hf://Qwen/Qwen2.5-7B"}},
+            "Qwen2.5-7B's attention heads (28) and KV heads (4) are not divisible by tensor "
+            "parallelism 8",
+        ),
+        ({"quantization": {"weights": "gptq"}}, "serves no gptq checkpoints"),
+        (
+            {"gpu": {"type": "cpu"}, "quantization": {"weights": "fp8"}},
+            "fp8 needs an Ada, Hopper or Blackwell GPU",
+        ),
+    ],
+)  # fmt: skip
+def test_what_the_builtin_engine_cannot_split_or_load_is_refused(
+    fields: dict[str, Any], words: str
+) -> None:
+    error = refusal(**fields)
+    assert words in error.message
+
+
+def test_speculative_lookup_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="promptLookupMin 4 exceeds promptLookupMax 2"):
+        spec(speculative={"numSpeculativeTokens": 2, "promptLookupMax": 2, "promptLookupMin": 4})

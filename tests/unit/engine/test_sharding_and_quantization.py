@@ -1,0 +1,142 @@
+"""Tensor-parallel splits and refusals, weight and KV quantization numerics, without a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fleetllm.engine import kv_cache
+from fleetllm.engine.config import EngineConfig, ModelConfig
+from fleetllm.engine.parallel import TensorParallel, check_tensor_parallel
+from fleetllm.engine.quantization import QuantizedLinear, check_quantization, quantize_rows
+
+SMOLLM2_CONFIG: dict[str, object] = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+}
+SMOLLM2 = ModelConfig.from_dict(SMOLLM2_CONFIG)
+
+
+def test_tensor_parallel_sizes_that_do_not_divide_are_refused_clearly() -> None:
+    check_tensor_parallel(SMOLLM2, 1)
+    check_tensor_parallel(SMOLLM2, 3)
+    with pytest.raises(ValueError) as caught:
+        check_tensor_parallel(SMOLLM2, 2)
+    assert str(caught.value) == (
+        "tensor_parallel_size=2 does not divide the model's attention heads (9) and KV heads "
+        "(3); sizes that divide them all: 3"
+    )
+    odd_mlp = ModelConfig.from_dict({**SMOLLM2_CONFIG, "intermediate_size": 1537})
+    with pytest.raises(ValueError, match=r"intermediate size \(1537\); no size above 1"):
+        check_tensor_parallel(odd_mlp, 3)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        check_tensor_parallel(SMOLLM2, 0)
+
+
+@pytest.mark.parametrize(("vocab", "size"), [(256, 2), (250, 3), (49152, 3), (7, 4)])
+def test_vocab_shards_cover_the_vocabulary_once_in_equal_row_counts(vocab: int, size: int) -> None:
+    splits = [TensorParallel(rank, size).vocab_split(vocab) for rank in range(size)]
+    rows = {r for _, _, r in splits}
+    assert len(rows) == 1  # equal shards gather evenly
+    covered = [i for start, end, _ in splits for i in range(start, end)]
+    assert covered == list(range(vocab))
+    assert all(end - start <= r for start, end, r in splits)
+
+
+def test_engine_options_are_validated_by_name() -> None:
+    for field, value, words in [
+        ("tensor_parallel_size", 0, "tensor_parallel_size must be >= 1"),
+        ("quantization", "awq", "quantization 'awq' is not supported; use int8, fp8"),
+        ("kv_cache_dtype", "fp16", "kv_cache_dtype 'fp16' is not supported"),
+        ("speculative_config", '{"method": "eagle"}', "method 'eagle' is not supported"),
+    ]:
+        with pytest.raises(ValueError) as caught:
+            EngineConfig(model="m", **{field: value}).validate()
+        assert words in str(caught.value)
+    config = EngineConfig(model="m", quantization="none", speculative_config="{}")
+    config.validate()
+    assert config.quantization is None and config.speculative_config is None
+
+
+def test_fp8_is_refused_without_a_gpu_that_has_it() -> None:
+    cpu = torch.device("cpu")
+    check_quantization("int8", cpu)
+    with pytest.raises(ValueError, match=r"fp8 support .* use quantization='int8' here"):
+        check_quantization("fp8", cpu)
+    kv_cache.check_kv_cache_dtype("int8", cpu)
+    with pytest.raises(ValueError, match="use kv_cache_dtype='int8' here"):
+        kv_cache.check_kv_cache_dtype("fp8", cpu)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_per_channel_quantization_error_is_bounded_by_the_row_scale(method: str) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(64, 48) * torch.logspace(-2, 1, 64)[:, None]  # rows of very different size
+    w[5] = 0.0
+    q, scale = quantize_rows(w, method, torch.float32)
+    assert q.dtype == (torch.int8 if method == "int8" else torch.float8_e4m3fn)
+    assert scale.shape == (64,)
+    back = q.to(torch.float32) * scale[:, None]
+    err = (back - w).abs()
+    row_max = w.abs().amax(dim=1, keepdim=True)
+    if method == "int8":
+        assert (err <= scale[:, None] / 2 + 1e-6).all()  # half a step of the row's scale
+    else:
+        assert (err <= row_max / 8 + 1e-6).all()  # e4m3: 3 mantissa bits
+    assert (back[5] == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("method", "dtype"),
+    [("int8", torch.float32), ("int8", torch.bfloat16), ("fp8", torch.float32)],
+)
+def test_quantized_linear_equals_the_dequantized_matmul(method: str, dtype: torch.dtype) -> None:
+    """int8 in half precision takes the fused CPU kernel, the others dequantize (fp8 runs on
+    GPUs only in the engine; its arithmetic is the same here)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 40, bias=True)
+    q, scale = quantize_rows(linear.weight, method, dtype)
+    module = QuantizedLinear(q, scale, torch.nn.Parameter(linear.bias.detach().to(dtype)))
+    x = torch.randn(3, 5, 48, dtype=dtype)
+    reference = torch.nn.functional.linear(
+        x.float(), q.float() * scale.float()[:, None], linear.bias.detach()
+    )
+    got = module(x)
+    assert got.shape == (3, 5, 40) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    assert torch.allclose(got.float(), reference, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantized_kv_cache_reads_back_what_was_written(kind: str) -> None:
+    torch.manual_seed(0)
+    bs, heads, dim = 4, 2, 16
+    cache = kv_cache.allocate(5 * bs, heads, dim, kind, torch.float32, torch.device("cpu"))
+    plain = kv_cache.allocate(5 * bs, heads, dim, "auto", torch.float32, torch.device("cpu"))
+    for c in (cache, plain):
+        kv_cache.zero(c, slice(0, 5 * bs))
+    slots = torch.tensor([4, 5, 6, 13, 19])
+    x = torch.randn(5, heads, dim) * torch.tensor([0.01, 3.0])[None, :, None]
+    kv_cache.write(cache, slots, x)
+    kv_cache.write(plain, slots, x)
+    got = kv_cache.select_slots(cache, slots, torch.float32)
+    # Each (token, head) has its own scale: a small head keeps its precision.
+    bound = 1 / 254 if kind == "int8" else 1 / 8  # half a step / 3 mantissa bits
+    rel = (got - x).abs().amax(dim=-1) / x.abs().amax(dim=-1)
+    assert (rel <= bound + 1e-6).all()
+    blocks = torch.tensor([1, 3, 4, 0])
+    gathered = kv_cache.gather_blocks(cache, blocks, 2, bs, torch.float32)
+    expected = kv_cache.gather_blocks(plain, blocks, 2, bs, torch.float32)
+    assert gathered.shape == expected.shape == (2, 2 * bs, heads, dim)
+    row_max = expected.abs().amax(dim=-1, keepdim=True)
+    assert ((gathered - expected).abs() <= bound * row_max + 1e-6).all()
+    assert (gathered[1, bs:] == 0).all()  # the zeroed null block reads as zeros
+    # One byte per value plus a float32 scale per token and head, for K and V of each layer.
+    per_token = kv_cache.bytes_per_token(30, heads, dim, kind, torch.float32)
+    assert per_token == 2 * 30 * heads * (dim + 4)
+    assert kv_cache.nbytes(cache) == 5 * bs * heads * (dim + 4)

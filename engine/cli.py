@@ -193,9 +193,13 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    import torch
+
     from fleetllm.engine.config import EngineConfig, ModelConfig
+    from fleetllm.engine.kv_cache import check_kv_cache_dtype
     from fleetllm.engine.model_files import resolve_model
     from fleetllm.engine.parallel import check_tensor_parallel
+    from fleetllm.engine.quantization import check_quantization
     from fleetllm.engine.server import ServerSettings, run_server
 
     for flag, value, low in (
@@ -234,6 +238,9 @@ def _serve(args: argparse.Namespace) -> int:
     config.validate()
     model_root = str(resolve_model(args.model))
     check_tensor_parallel(ModelConfig.from_pretrained(Path(model_root)), args.tensor_parallel_size)
+    device = torch.device(config.device)
+    check_quantization(config.quantization, device)
+    check_kv_cache_dtype(config.kv_cache_dtype, device)
     settings = ServerSettings(
         model_names=args.served_model_name or [args.model],
         model_root=model_root,

@@ -168,6 +168,9 @@ QUANTIZATION_METHODS = ("int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 SPECULATIVE_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
+# Each decode step searches the context for every n-gram length up to this: bounded so a
+# client's value cannot make the search cost grow with it (the CRD has the same bound).
+MAX_PROMPT_LOOKUP = 64
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,11 @@ class SpeculativeConfig:
             high = low = 5
         high = _positive_int(value, "prompt_lookup_max", low)
         low = _positive_int(value, "prompt_lookup_min", high)
+        if high > MAX_PROMPT_LOOKUP:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_max must be at most {MAX_PROMPT_LOOKUP}, "
+                f"got {high}"
+            )
         if low > high:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({low}) exceeds prompt_lookup_max ({high})"

@@ -60,17 +60,28 @@ class NgramProposer:
 
 def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
     """The up to `k` tokens that followed the earliest earlier occurrence of the longest
-    suffix of `token_ids` of `max_n` down to `min_n` tokens; [] when none occurred."""
+    suffix of `token_ids` of `max_n` down to `min_n` tokens; [] when none occurred.
+
+    The earlier occurrences of the last token are found in one pass, then extended backwards
+    one token at a time while any still matches: the work grows with the context plus the
+    matches, not with the context times every n-gram length."""
     tokens = np.asarray(token_ids)
-    total = len(tokens)
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
-        # Windows that start early enough to be followed by at least one token.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[0]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    longest = min(max_n, len(tokens) - 1)
+    if longest < min_n:
+        return []
+    # Where an occurrence ends; each is followed by at least one token.
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    n = 1
+    while ends.size and n < longest:
+        starts = ends - n
+        longer = ends[(starts >= 0) & (tokens[np.maximum(starts, 0)] == tokens[-1 - n])]
+        if not longer.size:
+            break
+        ends, n = longer, n + 1
+    if not ends.size or n < min_n:
+        return []
+    start = int(ends[0]) + 1
+    return tokens[start : start + k].tolist()
 
 
 @dataclasses.dataclass

@@ -73,10 +73,11 @@ def test_int8_weights_agree_with_float32_in_a_quarter_of_the_memory(
         agreement = (next_token_argmax(llm.engine, ids) == expected).float().mean().item()
         ratio = llm.engine.weight_bytes[0] / smollm2_llm.engine.weight_bytes[0]
     print(f"\nint8 weights: top-1 agreement {agreement:.2%} over {POSITIONS}, memory x{ratio:.3f}")
-    # Measured 95.3%. Rounding every weight of this small model to 255 levels per output
-    # channel moves its logits about as much as bfloat16 arithmetic does (bfloat16 itself
-    # agrees with float32 on 97-98% of such positions); neither GPTQ-style error compensation
-    # nor scales per group of 32 inputs brought int8 to 98%.
+    # Measured 95.3%: short of the 98% asked for. About 3% of this text's positions have a
+    # top-1/top-2 logit gap under 0.05, so any rounding flips some: bfloat16 arithmetic agrees
+    # on 97.4% here. Per-output-channel int8 agreed on 94.3-96.1% of 2048 positions of four
+    # real texts (this one, Python's LICENSE.txt and idlelib/NEWS.txt, docs/engine.md).
+    # Even scales per group of 32 (16) inputs agree on only 97.5% (97.8%) of this text.
     assert agreement >= 0.94
     assert 0.24 < ratio < 0.27  # one byte per value, plus a scale per row and the norms
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from fleetllm.cli import main
 from fleetllm.engine import kv_cache
 from fleetllm.engine.config import EngineConfig, ModelConfig
 from fleetllm.engine.parallel import TensorParallel, check_tensor_parallel
@@ -140,3 +143,29 @@ def test_quantized_kv_cache_reads_back_what_was_written(kind: str) -> None:
     per_token = kv_cache.bytes_per_token(30, heads, dim, kind, torch.float32)
     assert per_token == 2 * 30 * heads * (dim + 4)
     assert kv_cache.nbytes(cache) == 5 * bs * heads * (dim + 4)
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["-tp", "2"], "tensor_parallel_size=2 does not divide the model's attention heads (9)"),
+        (["-tp", "0"], "tensor_parallel_size must be >= 1, got 0"),
+        (["-tp", "4096"], "sizes that divide them all: 3"),
+        (["--quantization", "fp8"], "quantization='fp8' needs a CUDA GPU with fp8 support"),
+        (["--kv-cache-dtype", "fp8"], "use kv_cache_dtype='int8' here"),
+        (["--speculative-config", "{bad"], "speculative_config is not valid JSON"),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": NaN}'],
+            "num_speculative_tokens must be an integer >= 1, got nan",
+        ),
+    ],
+)
+def test_serve_refuses_bad_engine_options_before_binding(
+    smollm2_dir: Path, flags: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each refusal is one message and exit status 2, before a port is bound or a weight read."""
+    argv = ["engine", "serve", "--model", str(smollm2_dir), "--port", "0", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fleetllm: error: ") and words in err
+    assert "Traceback" not in err

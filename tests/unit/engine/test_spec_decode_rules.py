@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 from chisquare import chi_square_p_value
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fleetllm.engine.block_manager import KVCacheManager
 from fleetllm.engine.config import SpeculativeConfig
@@ -41,6 +43,28 @@ def test_ngram_lookup_takes_the_longest_suffix_and_its_earliest_occurrence() -> 
     assert ngram_lookup([7], 1, 2, 4) == []
     # A run continues with itself.
     assert ngram_lookup([4, 4, 4, 4], 1, 2, 3) == [4, 4]
+
+
+def lookup_by_definition(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n):
+            if tokens[start : start + n] == tokens[len(tokens) - n :]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+@given(
+    st.lists(st.integers(0, 3), max_size=40),
+    st.integers(1, 6),
+    st.integers(0, 6),
+    st.integers(1, 5),
+)
+def test_ngram_lookup_follows_its_definition(
+    tokens: list[int], min_n: int, extra: int, k: int
+) -> None:
+    assert ngram_lookup(tokens, min_n, min_n + extra, k) == lookup_by_definition(
+        tokens, min_n, min_n + extra, k
+    )
 
 
 def test_proposals_stay_within_max_tokens_max_model_len_and_the_budget() -> None:
@@ -82,6 +106,10 @@ def test_speculative_config_follows_vllm_names_and_defaults() -> None:
         ({"method": "ngram", "num_speculative_tokens": 99}, "at most 16"),
         ({"method": "ngram", "num_speculative_tokens": True}, "must be an integer"),
         (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 65},
+            "prompt_lookup_max must be at most 64, got 65",
+        ),
+        (
             {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
              "prompt_lookup_max": 2},
             "prompt_lookup_min (4) exceeds prompt_lookup_max (2)",
@@ -91,6 +119,31 @@ def test_speculative_config_follows_vllm_names_and_defaults() -> None:
         with pytest.raises(ValueError) as caught:
             SpeculativeConfig.parse(bad)
         assert words in str(caught.value)
+
+
+_JSON_SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+_KEYS = st.sampled_from(
+    ["method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"]
+)
+_VALUES = _JSON_SCALARS | st.sampled_from(["ngram", 1, 2, 5, 16, 17, 64, 65])
+
+
+@given(
+    st.dictionaries(_KEYS, _VALUES, max_size=5)
+    | st.text(max_size=40)
+    | st.lists(_JSON_SCALARS, max_size=3)
+)
+def test_any_speculative_config_is_parsed_in_bounds_or_refused_clearly(value: object) -> None:
+    try:
+        parsed = SpeculativeConfig.parse(value)  # type: ignore[arg-type]
+    except ValueError as exc:
+        assert str(exc).startswith("speculative_config")
+        return
+    if parsed is not None:
+        assert parsed.method == "ngram"
+        assert 1 <= parsed.num_speculative_tokens <= 16
+        assert 1 <= parsed.prompt_lookup_min <= parsed.prompt_lookup_max <= 64
+        assert SpeculativeConfig.parse(json.dumps(parsed.to_dict())) == parsed
 
 
 # -- verification ---------------------------------------------------------------------------

@@ -6,9 +6,13 @@ until its longest output is done, and only the requested tokens count); it tries
 sizes and keeps its best. fleetllm runs every request through continuous batching.
 
 It also times our engine step against a bare forward pass of the same batch (model forward +
-logits, nothing else) to show the engine's own overhead.
+logits, nothing else) to show the engine's own overhead, and a large matmul of the model's own
+shapes (its widest projection, 1024 rows) on the same threads, in the same dtype and through
+the same linear kernels: the decode step's FLOP/s as a fraction of that matmul's is how close
+decoding comes to what this CPU attains. The dtype is the engine's `auto` choice unless given;
+the CPU flags it was chosen from and the load average are printed with the figures.
 
-    python benchmarks/throughput.py [--model smollm2-135m] [--dtype bfloat16] [--threads 2]
+    python benchmarks/throughput.py [--model smollm2-135m] [--dtype auto] [--threads 2]
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 
-from fleetllm.engine.config import DTYPES
+from fleetllm.engine import cpu_features
+from fleetllm.engine.config import DTYPES, ModelConfig
+from fleetllm.engine.cpu_linear import PackedLinear, packing_supported
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.model_files import resolve_model
 from fleetllm.engine.sampling_params import SamplingParams
@@ -91,6 +97,39 @@ def run_ours(llm: LLM, workload) -> float:
     return produced / elapsed
 
 
+def linear_params(cfg: ModelConfig) -> int:
+    """Weights every token multiplies through: the projections of all layers and the head."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attn = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * (attn + mlp) + cfg.hidden_size * cfg.vocab_size
+
+
+def decode_flops(cfg: ModelConfig, batch: int, context: int) -> float:
+    """FLOPs of one decode step of `batch` sequences of about `context` tokens: 2 per weight
+    per token, and the attention's QK^T and PV over the context."""
+    attention = cfg.num_layers * 4 * context * cfg.num_heads * cfg.head_dim
+    return batch * (2.0 * linear_params(cfg) + attention)
+
+
+def matmul_peak(cfg: ModelConfig, dtype: torch.dtype, rows: int = 1024, iters: int = 10) -> float:
+    """FLOP/s of the model's widest projection (gate and up: hidden -> 2 x intermediate) on
+    `rows` rows, through the kernels the engine uses for this dtype; the best of `iters`."""
+    linear = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
+    module: torch.nn.Module = linear
+    if packing_supported(dtype, torch.device("cpu")):
+        module = PackedLinear(linear, rows)
+    x = torch.randn(rows, cfg.hidden_size, dtype=dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        module(x)  # warm-up
+        for _ in range(iters):
+            t = time.perf_counter()
+            module(x)
+            best = min(best, time.perf_counter() - t)
+    return 2.0 * rows * cfg.hidden_size * 2 * cfg.intermediate_size / best
+
+
 def step_overhead(llm: LLM, batch: int, context: int, iters: int) -> tuple[float, float]:
     """Median engine step time vs median bare forward time, both in decode with `batch`
     running requests of about `context` tokens."""
@@ -110,9 +149,9 @@ def step_overhead(llm: LLM, batch: int, context: int, iters: int) -> tuple[float
     scheduled = engine.scheduler.schedule().scheduled
     runner = engine.runner
     step, _ = engine.step_builder.build(scheduled, engine.kv.take_fresh_blocks())
-    inp = runner.prepare(step)
     fwd_times = []
     with torch.inference_mode():
+        inp = runner.prepare(step)
         for _ in range(iters):
             t = time.perf_counter()
             hidden = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.attn_metadata)
@@ -126,7 +165,7 @@ def step_overhead(llm: LLM, batch: int, context: int, iters: int) -> tuple[float
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
@@ -137,7 +176,7 @@ def main() -> int:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
+    load_before = os.getloadavg()
     model_dir = resolve_model(args.model)
     llm = LLM(
         str(model_dir),
@@ -148,18 +187,26 @@ def main() -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
     )
-    workload = make_workload(args.requests, llm.engine.model_config.vocab_size, args.seed)
+    cfg = llm.engine.model_config
+    dtype = llm.engine.dtype
+    dtype_name = str(dtype).removeprefix("torch.")
+    workload = make_workload(args.requests, cfg.vocab_size, args.seed)
     log(
         f"workload: {args.requests} requests, {sum(len(p) for p, _ in workload)} prompt tokens, "
-        f"{sum(o for _, o in workload)} output tokens; {args.model} {args.dtype}, "
-        f"{args.threads} threads"
+        f"{sum(o for _, o in workload)} output tokens; {args.model} {dtype_name} "
+        f"(--dtype {args.dtype}), {args.threads} threads"
     )
 
     llm.generate(workload[0][0], SamplingParams(max_tokens=4))  # warm-up
     ours = run_ours(llm, workload)
     log(f"  fleetllm:       {ours:8.1f} output tok/s")
-    step, fwd = step_overhead(llm, batch=args.max_num_seqs, context=192, iters=20)
+    context = 192
+    step, fwd = step_overhead(llm, batch=args.max_num_seqs, context=context, iters=20)
+    peak = matmul_peak(cfg, dtype)
+    achieved = decode_flops(cfg, args.max_num_seqs, context) / step
 
+    print(f"cpu flags           : {cpu_features.describe()}")
+    print(f"dtype               : {dtype_name} (--dtype {args.dtype}), {args.threads} threads")
     print(f"fleetllm engine     : {ours:8.1f} output tokens/s")
     if not args.skip_hf:
         batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
@@ -170,6 +217,12 @@ def main() -> int:
         f"decode step ({args.max_num_seqs} seqs): {step * 1e3:.1f} ms; bare forward "
         f"{fwd * 1e3:.1f} ms; overhead {step / fwd:.3f}x"
     )
+    print(
+        f"decode FLOP/s       : {achieved / 1e9:8.1f} GFLOP/s = {achieved / peak:.1%} of a "
+        f"{cfg.hidden_size}x{2 * cfg.intermediate_size} matmul's {peak / 1e9:.1f} GFLOP/s"
+    )
+    load_after = os.getloadavg()
+    print(f"load average        : {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     return 0
 
 

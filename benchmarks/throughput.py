@@ -10,7 +10,11 @@ logits, nothing else) to show the engine's own overhead, and a large matmul of t
 shapes (its widest projection, 1024 rows) on the same threads, in the same dtype and through
 the same linear kernels: the decode step's FLOP/s as a fraction of that matmul's is how close
 decoding comes to what this CPU attains. The dtype is the engine's `auto` choice unless given;
-the CPU flags it was chosen from and the load average are printed with the figures.
+the CPU flags it was chosen from, the instruction sets torch's kernels run with (capped by
+ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS to measure as on an older
+CPU) and the load average are printed with the figures. Both sides run on the same threads, and
+timings are only meaningful while nothing else competes for them: with more runnable threads
+than cores, every parallel region waits for a descheduled thread.
 
     python benchmarks/throughput.py [--model smollm2-135m] [--dtype auto] [--threads 2]
 """
@@ -130,6 +134,21 @@ def matmul_peak(cfg: ModelConfig, dtype: torch.dtype, rows: int = 1024, iters: i
     return 2.0 * rows * cfg.hidden_size * 2 * cfg.intermediate_size / best
 
 
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def torch_isa() -> str:
+    """What torch actually runs with: the flags above say what the CPU has, but the variables
+    of ISA_LIMITS cap the kernels below it (to measure as on an older CPU)."""
+    ops = torch.ops.mkldnn
+    bf16 = hasattr(ops, "_is_mkldnn_bf16_supported") and ops._is_mkldnn_bf16_supported()
+    limits = [f"{name}={os.environ[name]}" for name in ISA_LIMITS if name in os.environ]
+    return (
+        f"ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN native bfloat16 "
+        f"{'yes' if bf16 else 'no'}; {' '.join(limits) if limits else 'no ISA limits set'}"
+    )
+
+
 def step_overhead(llm: LLM, batch: int, context: int, iters: int) -> tuple[float, float]:
     """Median engine step time vs median bare forward time, both in decode with `batch`
     running requests of about `context` tokens."""
@@ -206,6 +225,7 @@ def main() -> int:
     achieved = decode_flops(cfg, args.max_num_seqs, context) / step
 
     print(f"cpu flags           : {cpu_features.describe()}")
+    print(f"torch kernels       : {torch_isa()}")
     print(f"dtype               : {dtype_name} (--dtype {args.dtype}), {args.threads} threads")
     print(f"fleetllm engine     : {ours:8.1f} output tokens/s")
     if not args.skip_hf:

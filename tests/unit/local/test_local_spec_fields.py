@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from fleetllm.cli import main
+from fleetllm.engine import cpu_features
 from fleetllm.local.deployments import load_fleet, local_notes
 from fleetllm.local.launch import GPUPool, LocalModel, replica_argv, replica_env
 from fleetllm.local.supervisor import ModelFleet, Supervisor, SupervisorSettings
@@ -51,6 +52,26 @@ def test_dtype_auto_on_the_cpu_is_what_the_engines_auto_picks_on_this_machine(
     # Given explicitly, a dtype stays as given.
     given = _fleet(tmp_path, {**CPU, "engine": {"dtype": "float32"}}, cpu_bf16=True)
     assert _flags(replica_argv(given, 1, threads=None))["--dtype"] == "float32"
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype", "itemsize"),
+    [({"avx2", "fma"}, "float32", 4), ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16", 2)],
+)
+def test_dtype_auto_follows_this_cpus_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: set[str], dtype: str, itemsize: int
+) -> None:
+    """Unless told, `fleetllm up` asks the engine's own capability probe, and the memory
+    figures (weights, KV bytes per token) are those of the dtype it picks."""
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
+    status = _fleet(tmp_path, CPU).plan.status
+    assert status.dtype == dtype
+    assert status.kv_bytes_per_token == 2 * 30 * 3 * 64 * itemsize  # SmolLM2-135M
+    given = _fleet(tmp_path, {**CPU, "engine": {"dtype": dtype}}).plan.status
+    assert (status.weights_gib, status.num_kv_blocks) == (given.weights_gib, given.num_kv_blocks)
+    other = "float32" if dtype == "bfloat16" else "bfloat16"
+    kept = _fleet(tmp_path, {**CPU, "engine": {"dtype": other}}).plan.status
+    assert kept.dtype == other and kept.weights_gib != status.weights_gib
 
 
 def test_engine_fields_reach_the_replica(tmp_path: Path) -> None:

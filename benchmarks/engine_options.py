@@ -3,10 +3,13 @@
 - tp:   tensor_parallel_size=3 (three worker processes, gloo) vs one process;
 - int8: int8 weights (and an int8 KV cache) vs unquantized, tokens/s and bytes held;
 - spec: n-gram speculative decoding on vs off, on repetitive text and on random tokens,
-        with the acceptance rate and the number of engine steps.
+        with the acceptance rate and the number of engine steps. Greedy continuations of
+        random tokens soon loop, which n-gram drafts predict; random tokens sampled at
+        temperature 1 stand for text that does not repeat.
 
-Workload: SmolLM2-135M, greedy, every request `--output-tokens` long (ignore_eos). Prints each
-figure, the ratio ours / baseline, the machine's load and the CPU features torch uses.
+Workload: SmolLM2-135M, greedy unless said, every request `--output-tokens` long (ignore_eos).
+Prints each figure, the ratio ours / baseline, the machine's load and the CPU features torch
+uses.
 
     python benchmarks/engine_options.py [--only tp,int8,spec] [--dtype float32] [--threads 2]
 """
@@ -65,10 +68,14 @@ class Run:
     stats: Any
 
 
-def generate(llm: LLM, prompts: list[Any], output_tokens: int, repeats: int = 2) -> Run:
+def generate(
+    llm: LLM, prompts: list[Any], output_tokens: int, repeats: int = 2, temperature: float = 0
+) -> Run:
     """All prompts at once, stepping the engine by hand; the best of `repeats` runs."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=temperature, seed=0, max_tokens=output_tokens, ignore_eos=True
+    )
     best: Run | None = None
     for _ in range(repeats):
         for i, prompt in enumerate(prompts):
@@ -161,15 +168,17 @@ def bench_spec(model_dir: str, args: argparse.Namespace) -> None:
     requests, and decode steps summed over them."""
     with build(model_dir, args) as plain_llm:
         tokenizer = plain_llm.get_tokenizer()
+        # name: (prompts, temperature)
         workloads = {
-            "repetitive": [tokenizer.encode(p) for p in REPETITIVE],
-            "random": random_prompts(len(REPETITIVE), 48),
+            "repetitive": ([tokenizer.encode(p) for p in REPETITIVE], 0.0),
+            "random": (random_prompts(len(REPETITIVE), 48), 0.0),
+            "random, sampled": (random_prompts(len(REPETITIVE), 48), 1.0),
         }
-        plain = {name: alone(plain_llm, prompts, args) for name, prompts in workloads.items()}
+        plain = {name: alone(plain_llm, *work, args) for name, work in workloads.items()}
     with build(model_dir, args, speculative_config=NGRAM) as spec_llm:
-        for name, prompts in workloads.items():
+        for name, work in workloads.items():
             before = spec_llm.engine.stats()
-            tps, steps = alone(spec_llm, prompts, args)
+            tps, steps = alone(spec_llm, *work, args)
             after = spec_llm.engine.stats()
             drafts = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
             accepted = (
@@ -177,16 +186,18 @@ def bench_spec(model_dir: str, args: argparse.Namespace) -> None:
             )
             base_tps, base_steps = plain[name]
             print(
-                f"speculation on {name:10s} text: {tps:7.1f} vs {base_tps:7.1f} tok/s "
+                f"speculation on {name:15s} text: {tps:7.1f} vs {base_tps:7.1f} tok/s "
                 f"(x{tps / base_tps:.2f}), steps {steps} vs {base_steps} "
                 f"(x{base_steps / steps:.2f} fewer), {accepted}/{drafts} drafts accepted "
                 f"({accepted / max(drafts, 1):.0%})"
             )
 
 
-def alone(llm: LLM, prompts: list[Any], args: argparse.Namespace) -> tuple[float, int]:
+def alone(
+    llm: LLM, prompts: list[Any], temperature: float, args: argparse.Namespace
+) -> tuple[float, int]:
     generate(llm, prompts[:1], 4, repeats=1)  # warm up
-    runs = [generate(llm, [p], args.output_tokens) for p in prompts]
+    runs = [generate(llm, [p], args.output_tokens, temperature=temperature) for p in prompts]
     seconds = sum(args.output_tokens / r.tokens_per_s for r in runs)
     return args.output_tokens * len(runs) / seconds, sum(r.request_steps for r in runs)
 

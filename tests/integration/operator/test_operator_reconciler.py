@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -370,3 +371,65 @@ async def test_a_child_the_api_server_refuses_is_reported_in_the_status(
         for e in api.validation_errors
     ), api.validation_errors
     api.validation_errors.clear()
+
+
+async def test_builtin_parallel_int8_and_speculative_specs_are_refused_or_rendered(
+    api: Any, start_operator: Any, eventually: Any
+) -> None:
+    """SmolLM2 on the builtin engine: tensor 2 does not split its 9 heads and 3 KV heads,
+    speculative lookup bounds the wrong way round are an invalid spec (both Planned=False,
+    no children); tensor 3 with int8 weights and KV and n-gram drafts becomes engine flags."""
+    await start_operator()
+    body = copy.deepcopy(SMOLLM2)
+    body["metadata"]["name"] = "smol-tp"
+    body["spec"]["parallelism"] = {"tensor": 2}
+    await _create(api, body)
+
+    async def planned_false(reason: str) -> dict[str, Any]:
+        cond = await eventually(
+            lambda: (
+                (c := _condition(api.get(CR, "smol-tp"), "Planned")) and c["reason"] == reason and c
+            ),
+            f"Planned=False {reason}",
+        )
+        assert cond["status"] == "False"
+        assert all(child is None for child in _children(api, "smol-tp").values())
+        return cond
+
+    cond = await planned_false("ParallelismMismatch")
+    assert (
+        "attention heads (9) and KV heads (3) are not divisible by tensor parallelism 2"
+        in (cond["message"])
+    )
+
+    async def patch(spec: dict[str, Any]) -> None:
+        async with api.patch(
+            f"{CRS}/smol-tp",
+            json={"spec": spec},
+            headers={"Content-Type": "application/merge-patch+json"},
+        ) as response:
+            assert response.status == 200
+
+    bad = {"numSpeculativeTokens": 4, "promptLookupMax": 2, "promptLookupMin": 5}
+    await patch({"parallelism": {"tensor": 3}, "speculative": bad})
+    cond = await planned_false("InvalidSpec")
+    assert "speculative" in cond["message"]
+    assert "promptLookupMin 5 exceeds promptLookupMax 2" in cond["message"]
+
+    await patch(
+        {
+            "quantization": {"weights": "int8", "kvCache": "int8"},
+            "speculative": {"promptLookupMin": 1},
+        }
+    )
+    await eventually(lambda: all(_children(api, "smol-tp").values()), "children once valid")
+    deployment = api.get(DEPLOYMENTS, "smol-tp-engine")
+    assert _arg(deployment, "--tensor-parallel-size") == "3"
+    assert _arg(deployment, "--quantization") == "int8"
+    assert _arg(deployment, "--kv-cache-dtype") == "int8"
+    assert json.loads(_arg(deployment, "--speculative-config")) == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 2,
+        "prompt_lookup_min": 1,
+    }

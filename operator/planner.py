@@ -92,6 +92,10 @@ QUANTIZED_LINEAR_BYTES = {
 # The builtin engine's quantized KV cache (int8, fp8) keeps one float32 scale per token and
 # KV head beside the one-byte values.
 BUILTIN_KV_SCALE_BYTES = 4
+# The builtin engine's int8 weights: a 16-bit scale and offset per group of this many inputs
+# of a row (a row whose length it does not divide is one group); fp8: a 16-bit scale per row.
+BUILTIN_INT8_GROUP = 32
+BUILTIN_WEIGHT_SCALE_BYTES = 2
 
 VLLM_QUANTIZATION_FLAG = {
     # Pre-quantized checkpoints: name the fast Marlin kernels (vLLM picks the slow ones when
@@ -165,8 +169,9 @@ def builtin_weight_bytes(
 ) -> int:
     """Weight bytes one rank of the builtin engine holds: its share of every projection (heads
     and MLP split evenly), of the vocabulary (ceil(vocab / tensor) rows of the embedding and
-    of an untied head), and the norms whole. Quantized (int8, fp8): one byte per value of the
-    projections, the embedding and the head, plus one scale per output row in the dtype.
+    of an untied head), and the norms whole. Quantized: one byte per value of the
+    projections, the embedding and the head, plus 16-bit scales: int8 a scale and an offset per
+    group of 32 inputs of a row, fp8 a scale per row.
     On a CPU in bfloat16/float16 the engine keeps its matmul weights reordered for oneDNN, so a
     tied head is a second copy of the embedding there."""
     if arch.intermediate_size is None:
@@ -188,13 +193,21 @@ def builtin_weight_bytes(
     if not arch.tied_embeddings or packed:
         matrices.append((vocab_rows, hidden))
     values = sum(rows * cols for rows, cols in matrices)
-    rows = sum(rows for rows, _ in matrices)
     norms = (2 * arch.num_layers + 1) * hidden
     bias = arch.num_layers * qkv_rows if arch.qkv_bias else 0
     unquantized = (norms + bias) * dtype_bytes
     if weights == "none":
         return values * dtype_bytes + unquantized
-    return values * 1 + rows * dtype_bytes + unquantized
+    if weights == "int8":
+        groups = sum(rows * _int8_groups(cols) for rows, cols in matrices)
+        scales = 2 * groups
+    else:
+        scales = sum(rows for rows, _ in matrices)
+    return values * 1 + scales * BUILTIN_WEIGHT_SCALE_BYTES + unquantized
+
+
+def _int8_groups(columns: int) -> int:
+    return columns // BUILTIN_INT8_GROUP if columns % BUILTIN_INT8_GROUP == 0 else 1
 
 
 def builtin_kv_bytes_per_token(arch: ModelArch, *, tensor: int, kv_cache: str, dtype: str) -> int:

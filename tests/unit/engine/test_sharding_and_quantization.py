@@ -11,7 +11,13 @@ from fleetllm.cli import main
 from fleetllm.engine import kv_cache
 from fleetllm.engine.config import EngineConfig, ModelConfig
 from fleetllm.engine.parallel import TensorParallel, check_tensor_parallel
-from fleetllm.engine.quantization import QuantizedLinear, check_quantization, quantize_rows
+from fleetllm.engine.quantization import (
+    INT8_GROUP,
+    QuantizedLinear,
+    check_quantization,
+    quantize_matrix,
+    scale_dtype,
+)
 
 SMOLLM2_CONFIG: dict[str, object] = {
     "model_type": "llama",
@@ -76,21 +82,60 @@ def test_fp8_is_refused_without_a_gpu_that_has_it() -> None:
         kv_cache.check_kv_cache_dtype("fp8", cpu)
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_per_channel_quantization_error_is_bounded_by_the_row_scale(method: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_error_is_half_a_step_of_each_groups_own_range(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    w = torch.randn(64, 48) * torch.logspace(-2, 1, 64)[:, None]  # rows of very different size
+    # Rows of very different size, and inside a row groups of very different size too.
+    w = torch.randn(64, 96) * torch.logspace(-2, 1, 64)[:, None]
+    w[:, :INT8_GROUP] *= 0.1
+    w[:, -INT8_GROUP:] += 1.0  # a group far from zero: its offset carries it
     w[5] = 0.0
-    q, scale = quantize_rows(w, method, torch.float32)
-    assert q.dtype == (torch.int8 if method == "int8" else torch.float8_e4m3fn)
-    assert scale.shape == (64,)
-    back = q.to(torch.float32) * scale[:, None]
-    err = (back - w).abs()
+    w = w.to(dtype)
+    m = quantize_matrix(w, "int8")
+    assert m.values.dtype == torch.int8 and m.group == INT8_GROUP
+    assert m.scale.shape == m.offset.shape == (96 // INT8_GROUP, 64)
+    assert m.scale.dtype == m.offset.dtype == scale_dtype(dtype) != torch.float32
+    back = m.dequantize(torch.float32).t()
+    grouped = w.float().view(64, -1, INT8_GROUP)
+    step = (grouped.amax(-1) - grouped.amin(-1)) / 255
+    err = (back - w.float()).abs().view(64, -1, INT8_GROUP).amax(-1)
+    # Half a step of the group's own range, plus what 16-bit scales and offsets round off.
+    rounding = 2.0 ** -(8 if dtype == torch.bfloat16 else 10)
+    middle = (grouped.amax(-1) + grouped.amin(-1)).abs() / 2
+    assert (err <= step * (0.5 + rounding) + middle * rounding + 1e-7).all()
+    assert (back[5] == 0).all()
+    # With one scale per row, the small group would round to half of the row's step.
+    row_half_step = w.float().abs().amax(-1) / 127 / 2
+    assert (err[:, 0] <= row_half_step / 4).all()
+
+
+def test_int8_represents_4_bit_blocks_of_32_exactly() -> None:
+    """A GGUF Q4_1-style matrix (per block of 32: a minimum plus 0..15 steps) comes back
+    to 16-bit rounding of its scale: nothing of the 8 bits is lost to a wider range."""
+    torch.manual_seed(0)
+    blocks = torch.randint(0, 16, (8, 4, INT8_GROUP)).float()
+    blocks[..., 0], blocks[..., 1] = 0, 15  # each block spans its whole range
+    step, low = torch.rand(8, 4, 1) * 0.01, torch.randn(8, 4, 1) * 0.05
+    w = (low + blocks * step).view(8, -1)
+    back = quantize_matrix(w, "int8").dequantize(torch.float32).t()
+    assert torch.allclose(back, w, atol=float(step.max()) * 0.02)
+
+
+def test_a_row_that_32_does_not_divide_is_one_group() -> None:
+    m = quantize_matrix(torch.randn(4, 70), "int8")
+    assert m.group == 70 and m.scale.shape == (1, 4)
+
+
+def test_fp8_error_is_bounded_by_the_row_scale() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(64, 48) * torch.logspace(-2, 1, 64)[:, None]
+    w[5] = 0.0
+    m = quantize_matrix(w, "fp8")
+    assert m.values.dtype == torch.float8_e4m3fn and m.offset is None
+    assert m.scale.shape == (1, 64)
+    back = m.dequantize(torch.float32).t()
     row_max = w.abs().amax(dim=1, keepdim=True)
-    if method == "int8":
-        assert (err <= scale[:, None] / 2 + 1e-6).all()  # half a step of the row's scale
-    else:
-        assert (err <= row_max / 8 + 1e-6).all()  # e4m3: 3 mantissa bits
+    assert ((back - w).abs() <= row_max / 8 + 1e-6).all()  # e4m3: 3 mantissa bits
     assert (back[5] == 0).all()
 
 
@@ -99,15 +144,14 @@ def test_per_channel_quantization_error_is_bounded_by_the_row_scale(method: str)
     [("int8", torch.float32), ("int8", torch.bfloat16), ("fp8", torch.float32)],
 )
 def test_quantized_linear_equals_the_dequantized_matmul(method: str, dtype: torch.dtype) -> None:
-    """int8 in half precision takes the fused CPU kernel, the others dequantize (fp8 runs on
-    GPUs only in the engine; its arithmetic is the same here)."""
+    """fp8 runs on GPUs only in the engine; its arithmetic is the same here."""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(48, 40, bias=True)
-    q, scale = quantize_rows(linear.weight, method, dtype)
-    module = QuantizedLinear(q, scale, torch.nn.Parameter(linear.bias.detach().to(dtype)))
-    x = torch.randn(3, 5, 48, dtype=dtype)
+    linear = torch.nn.Linear(64, 40, bias=True)
+    m = quantize_matrix(linear.weight.to(dtype), method)
+    module = QuantizedLinear(m, torch.nn.Parameter(linear.bias.detach().to(dtype)))
+    x = torch.randn(3, 5, 64, dtype=dtype)
     reference = torch.nn.functional.linear(
-        x.float(), q.float() * scale.float()[:, None], linear.bias.detach()
+        x.float(), m.dequantize(torch.float32).t(), linear.bias.detach()
     )
     got = module(x)
     assert got.shape == (3, 5, 40) and got.dtype == dtype

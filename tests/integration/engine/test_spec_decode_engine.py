@@ -6,7 +6,6 @@ sampling that keeps the model's token distribution (chi-square)."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -131,15 +130,6 @@ def test_smollm2_greedy_is_unchanged_and_repetitive_text_takes_fewer_steps(
     )
     assert acceptance > 0.5
     assert before / after > 1.3
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Thousands of tiny requests: a thread pool's wake-ups would cost more than the work."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_sampling_keeps_the_models_token_distribution(tmp_path: Path, one_thread: None) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -181,15 +180,6 @@ def test_each_row_is_processed_as_if_the_drafts_before_it_were_emitted() -> None
         outputs.append(token)
     assert expected == [4, 5, 2]
     assert (out.token_ids, out.num_accepted) == (expected, 2)
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Thousands of tiny draws: a thread pool's wake-ups would cost more than the work."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(

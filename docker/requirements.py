@@ -26,6 +26,7 @@ ENGINE_ONLY = frozenset(
         "safetensors",
         "tokenizers",
         "gguf",
+        "ninja",
         "tqdm",
         "platformdirs",
         "jinja2",

@@ -1,11 +1,15 @@
-"""Linear layers for half precision on the CPU, with weights reordered once for oneDNN.
+"""Linear layers on the CPU with weights reordered once into oneDNN's blocked layout.
 
 A plain `nn.Linear` in bfloat16/float16 makes oneDNN reorder the weight into its blocked
 layout on every call; for the small batches of decoding that reordering costs as much as the
-matmul. Reordering once at load time gives the same results at a fraction of the time.
+matmul. Reordering once at load time gives the same results at a fraction of the time. In
+float32 on x86 the reordered weights also beat `nn.Linear`'s BLAS call: 1.3-2.5x at decode
+batches of 8-64 rows and 1.1-1.25x at 512 (AVX2, docs/engine.md).
 """
 
 from __future__ import annotations
+
+import platform
 
 import torch
 from torch import nn
@@ -17,18 +21,17 @@ _DTYPE_SUPPORTED = {
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    if device.type != "cpu" or dtype not in _DTYPE_SUPPORTED:
-        return False
-    if not torch.backends.mkldnn.is_available():
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    if dtype == torch.float32:
+        return platform.machine() in ("x86_64", "AMD64")  # measured there, not elsewhere
+    if dtype not in _DTYPE_SUPPORTED:
+        return False
     check = getattr(ops, _DTYPE_SUPPORTED[dtype], None)
-    return bool(
-        hasattr(ops, "_reorder_linear_weight")
-        and hasattr(ops, "_linear_pointwise")
-        and check is not None
-        and check()
-    )
+    return bool(check is not None and check())
 
 
 class PackedLinear(nn.Module):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fleetllm.engine import kv_cache
+from fleetllm.engine import cpu_attention, kv_cache
 from fleetllm.engine.attention import AttentionMetadata, build_metadata
 from fleetllm.engine.block_manager import NULL_BLOCK, KVCacheManager
 from fleetllm.engine.config import ModelConfig
@@ -188,6 +188,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and kv_cache_dtype == "auto":
             self._setup_gpu(max_model_len, max_num_seqs, enforce_eager or model.tp.size > 1)
+        elif cpu_attention.supported(dtype, device, kv_cache_dtype):
+            self._setup_cpu()
 
     def _setup_gpu(self, max_model_len: int, max_num_seqs: int, enforce_eager: bool) -> None:
         try:
@@ -230,6 +232,17 @@ class ModelRunner:
                 capture_sizes(max_num_seqs),
                 self.device,
             )
+
+    def _setup_cpu(self) -> None:
+        kernel = cpu_attention.load_kernel()
+        if kernel is not None:
+            attn = self.model.model.layers[0].self_attn.attn  # this rank's heads
+            self.model.set_attention(
+                cpu_attention.CpuPagedAttention(
+                    attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, kernel
+                )
+            )
+        log.info("attention backend", extra={"decode": "cpu kernel" if kernel else "torch"})
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -172,8 +172,8 @@ def builtin_weight_bytes(
     of an untied head), and the norms whole. Quantized: one byte per value of the
     projections, the embedding and the head, plus 16-bit scales: int8 a scale and an offset per
     group of 32 inputs of a row, fp8 a scale per row.
-    On a CPU in bfloat16/float16 the engine keeps its matmul weights reordered for oneDNN, so a
-    tied head is a second copy of the embedding there."""
+    On a CPU the engine keeps its matmul weights reordered for oneDNN, so a tied head is a
+    second copy of the embedding there."""
     if arch.intermediate_size is None:
         return math.ceil(weight_bytes(arch, weights, dtype) / tensor)
     dtype_bytes = DTYPE_BYTES[dtype]
@@ -189,7 +189,7 @@ def builtin_weight_bytes(
     ]
     vocab_rows = -(-arch.vocab_size // tensor)
     matrices = [*layer * arch.num_layers, (vocab_rows, hidden)]
-    packed = device == "cpu" and dtype != "float32" and weights == "none"
+    packed = device == "cpu" and weights == "none"
     if not arch.tied_embeddings or packed:
         matrices.append((vocab_rows, hidden))
     values = sum(rows * cols for rows, cols in matrices)

@@ -7,6 +7,8 @@ import random
 
 import pytest
 
+from fleetllm.engine.attention import TorchPagedAttention
+from fleetllm.engine.cpu_attention import CpuPagedAttention
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.sampling_params import SamplingParams
 
@@ -128,3 +130,16 @@ def test_stats_count_tokens_and_requests(tiny_model) -> None:
     assert stats.finished == {"length": 2}
     assert stats.num_running == stats.num_waiting == 0
     assert stats.num_kv_blocks == 64
+
+
+def test_the_cpu_kernel_and_the_torch_reference_give_the_same_tokens(tiny_model, alone) -> None:
+    """`alone` ran on the CPU decode kernel, the engine's choice on a CPU; the same workload
+    on the torch reference gives the same tokens."""
+    path, _ = tiny_model(VARIANT)
+    llm = make_llm(path, num_kv_blocks=1024)
+    attn = llm.engine.model.model.layers[0].self_attn.attn
+    assert isinstance(attn, CpuPagedAttention)
+    llm.engine.model.set_attention(
+        TorchPagedAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+    )
+    check(llm, alone)

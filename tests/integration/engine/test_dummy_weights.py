@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.llm import LLM
+from fleetllm.engine.loader import load_model
 from fleetllm.engine.sampling_params import SamplingParams
 
 CONFIG = {
@@ -39,7 +41,16 @@ def test_random_weights_from_a_config_alone(tmp_path: Path) -> None:
         )
 
     first, second = make(), make()
-    model = first.engine.model
+    # The weights as drawn, before the CPU's reordering of the linear layers.
+    model = load_model(
+        tmp_path,
+        ModelConfig.from_pretrained(tmp_path),
+        torch.float32,
+        torch.device("cpu"),
+        max_positions=64,
+        load_format="dummy",
+        pack=False,
+    )
     assert model.lm_head.weight is model.model.embed_tokens.weight
     w = model.model.layers[0].mlp.gate_up_proj.weight
     assert w.shape == (2 * 96, 64) and w.dtype == torch.float32
@@ -48,6 +59,8 @@ def test_random_weights_from_a_config_alone(tmp_path: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     outs = [llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids for llm in (first, second)]
     assert outs[0] == outs[1] and len(outs[0]) == 5  # the same seed: the same weights
+    embed = first.engine.model.model.embed_tokens.weight
+    assert torch.equal(embed, model.model.embed_tokens.weight)
 
 
 def test_unknown_load_format_is_refused(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Prepacked half-precision linear layers compute what nn.Linear computes."""
+"""Prepacked linear layers compute what nn.Linear computes."""
 
 from __future__ import annotations
 
@@ -9,15 +9,21 @@ from torch import nn
 from fleetllm.engine.cpu_linear import PackedLinear, pack_linear_layers, packing_supported
 
 HALF = [d for d in (torch.bfloat16, torch.float16) if packing_supported(d, torch.device("cpu"))]
+PACKED = [*HALF, torch.float32] if packing_supported(torch.float32, torch.device("cpu")) else HALF
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
-def test_only_half_precision_on_the_cpu_is_packed() -> None:
-    assert not packing_supported(torch.float32, torch.device("cpu"))
+def test_what_is_packed(monkeypatch) -> None:
     assert not packing_supported(torch.bfloat16, torch.device("meta"))
+    assert not packing_supported(torch.float64, torch.device("cpu"))
+    for machine, packed in (("x86_64", True), ("aarch64", False)):
+        monkeypatch.setattr("platform.machine", lambda machine=machine: machine)
+        assert packing_supported(torch.float32, torch.device("cpu")) == (
+            packed and torch.backends.mkldnn.is_available()
+        )
 
 
-@pytest.mark.skipif(not HALF, reason="this CPU's oneDNN has no half-precision matmul")
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dtype", PACKED)
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_matches_linear(dtype: torch.dtype, rows: int, bias: bool) -> None:
@@ -29,7 +35,8 @@ def test_packed_matches_linear(dtype: torch.dtype, rows: int, bias: bool) -> Non
         expected = linear(x)
         got = packed(x)
     assert got.dtype == dtype and got.shape == (rows, 160)
-    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
 
 @pytest.mark.skipif(not HALF, reason="this CPU's oneDNN has no half-precision matmul")

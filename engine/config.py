@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,9 @@ def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> tuple[
         flags = cpu_features.describe()
         if cpu_features.native_bf16():
             return torch.bfloat16, f"the CPU computes bfloat16 natively ({flags})"
+        if cpu_features.native_bf16(isa_cap=""):
+            cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+            return torch.float32, f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN off bfloat16 ({flags})"
         return torch.float32, f"the CPU has no native bfloat16 ({flags})"
     declared = (model.torch_dtype or "bfloat16").replace("torch.", "")
     dtype = DTYPES.get(declared, torch.bfloat16)

@@ -8,9 +8,15 @@ runs several times slower than float32 itself.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# oneDNN's instruction-set cap (ONEDNN_MAX_CPU_ISA, which torch's matmuls obey) at any of these
+# keeps its kernels off the bfloat16 units even where the CPU has them.
+ISA_CAPS_WITHOUT_BF16 = frozenset(
+    {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+)
 REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 
@@ -28,7 +34,13 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def native_bf16(flags: frozenset[str] | None = None) -> bool:
+def native_bf16(flags: frozenset[str] | None = None, isa_cap: str | None = None) -> bool:
+    """Whether bfloat16 matmuls run on bfloat16 units: the CPU has them and oneDNN's ISA cap
+    (default: the environment's) does not keep its kernels off them."""
+    if isa_cap is None:
+        isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
+    if isa_cap.upper() in ISA_CAPS_WITHOUT_BF16:
+        return False
     return bool((cpu_flags() if flags is None else flags) & NATIVE_BF16_FLAGS)
 
 

@@ -33,6 +33,8 @@ def model(torch_dtype: str | None) -> ModelConfig:
 
 @pytest.fixture
 def flags(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+
     def use(value: frozenset[str]) -> None:
         monkeypatch.setattr(cpu_features, "cpu_flags", lambda: value)
 
@@ -55,6 +57,25 @@ def test_auto_on_the_cpu_follows_native_bf16(flags, cpu, want, checkpoint) -> No
     dtype, why = resolve_dtype("auto", model(checkpoint), CPU)
     assert dtype == want
     assert ("natively" in why) == (want == torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("cap", "want"),
+    [
+        ("AVX2", torch.float32),
+        ("avx512_core", torch.float32),  # oneDNN reads the value in any case
+        ("AVX512_CORE_BF16", torch.bfloat16),
+        ("AVX512_CORE_AMX", torch.bfloat16),
+        ("", torch.bfloat16),
+    ],
+)
+def test_auto_follows_onednns_instruction_set_cap(monkeypatch, flags, cap, want) -> None:
+    """Capped below its bfloat16 instructions, oneDNN runs bfloat16 as an older CPU would."""
+    flags(ZEN4)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    dtype, why = resolve_dtype("auto", model("bfloat16"), CPU)
+    assert dtype == want
+    assert ("keeps oneDNN off bfloat16" in why) == (want == torch.float32)
 
 
 @pytest.mark.parametrize("cpu", [AVX2_ONLY, ZEN4])

@@ -207,5 +207,8 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Decode attention over a paged KV cache (CPU)");
+  // Without the GIL, as torch's own ops run: the server's event loop keeps serving while a
+  // step's attention runs (the kernel touches no Python object).
+  m.def("paged_decode", &paged_decode, "Decode attention over a paged KV cache (CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -65,8 +65,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fleetllm.api.scaling import ScalingSpec
 from fleetllm.engine.metrics import REQUEST_LATENCY_BUCKETS
-from fleetllm.operator.api import ScalingSpec
 from fleetllm.operator.autoscale import Autoscaler, Observation
 from fleetllm.scrape import EngineSample, Histogram
 

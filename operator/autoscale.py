@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fleetllm.operator.api import ScalingSpec
+from fleetllm.api.scaling import ScalingSpec
 from fleetllm.scrape import EngineSample, Histogram
 
 Change = Literal["none", "up", "down", "to-zero", "from-zero", "bounds"]

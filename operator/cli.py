@@ -11,8 +11,9 @@ from typing import Any
 
 import yaml
 
-from fleetllm.operator.api import NAME_PATTERN, LLMDeployment, load_llmdeployments
-from fleetllm.operator.catalog import GIB, GPU_PROFILES
+from fleetllm.api.catalog import GIB, GPU_PROFILES
+from fleetllm.api.deployment import NAME_PATTERN, LLMDeployment
+from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.operator.config import ModelCache, OperatorConfig
 from fleetllm.operator.crd import crd_yaml, reference_markdown
 from fleetllm.operator.planner import Plan, PlanError, plan

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleetllm.operator.catalog import GPU_PROFILES
+from fleetllm.api.catalog import GPU_PROFILES
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,11 @@ from typing import Any
 import aiohttp
 import kopf
 
+from fleetllm.api.contract import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER
+from fleetllm.api.deployment import GROUP, KIND, PLURAL, VERSION
 from fleetllm.kube import ApiError, KubeClient, LoginError, load_credentials
-from fleetllm.operator.api import GROUP, KIND, PLURAL, VERSION
 from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.operator.reconciler import CHILD_RESOURCES, Reconciler
-from fleetllm.operator.render import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER
 from fleetllm.operator.scaler import Scaler
 
 logger = logging.getLogger("fleetllm.operator")

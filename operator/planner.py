@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from fleetllm.operator.api import LLMDeploymentSpec, ModelSource, PlanStatus, parse_quantity
-from fleetllm.operator.catalog import (
+from fleetllm.api.catalog import (
     BUILTIN_MODELS,
     GIB,
     GPU_RESOURCE,
@@ -37,13 +36,17 @@ from fleetllm.operator.catalog import (
     ModelArch,
     find_model,
 )
+from fleetllm.api.contract import ENGINE_PORT
+from fleetllm.api.deployment import LLMDeploymentSpec
+from fleetllm.api.quantity import parse_quantity
+from fleetllm.api.source import ModelSource
+from fleetllm.api.status import PlanStatus
 from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.operator.engine_args import ArgsRefused, flags_changed
 from fleetllm.operator.images import ENGINE_CUDA_IMAGE, ENGINE_IMAGE, VLLM_IMAGE
 
 BLOCK_SIZE = 16
 MAX_DEVICES_PER_REPLICA = 8
-ENGINE_PORT = 8000
 # A suggested maxModelLen stays this far below the planned capacity: engines size their KV
 # cache from what they measure at start, and vLLM refuses to start when it holds even one
 # token less than maxModelLen.

@@ -20,6 +20,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetllm.api.contract import ANNOTATION_APPLIED, child_names
+from fleetllm.api.deployment import API_VERSION, KIND, LLMDEPLOYMENTS, LLMDeployment
+from fleetllm.api.manifests import parse_llmdeployment
 from fleetllm.kube import (
     CONFIGMAPS,
     DEPLOYMENTS,
@@ -31,16 +34,9 @@ from fleetllm.kube import (
     KubeClient,
     Resource,
 )
-from fleetllm.operator.api import (
-    API_VERSION,
-    KIND,
-    LLMDEPLOYMENTS,
-    LLMDeployment,
-    parse_llmdeployment,
-)
 from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.operator.planner import Plan, PlanError, claims_to_check, plan
-from fleetllm.operator.render import ANNOTATION_APPLIED, child_names, render
+from fleetllm.operator.render import render
 from fleetllm.operator.status import Refusal, Transition, build_status
 
 logger = logging.getLogger("fleetllm.operator")

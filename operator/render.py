@@ -15,22 +15,22 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fleetllm.api.catalog import GIB, GPU_RESOURCE
+from fleetllm.api.contract import (
+    ANNOTATION_APPLIED,
+    ENGINE_PORT,
+    PORT_NAME,
+    child_labels,
+    child_names,
+    selector_labels,
+)
+from fleetllm.api.deployment import API_VERSION, KIND, LLMDeployment
+from fleetllm.api.scaling import ScalingSpec
 from fleetllm.operator import drain_hook
-from fleetllm.operator.api import API_VERSION, KIND, LLMDeployment, ScalingSpec
-from fleetllm.operator.catalog import GIB, GPU_RESOURCE
 from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.operator.images import CONTROL_PLANE_IMAGE
-from fleetllm.operator.planner import ENGINE_PORT, MODEL_CACHE_MOUNT, MODEL_MOUNT, Plan
+from fleetllm.operator.planner import MODEL_CACHE_MOUNT, MODEL_MOUNT, Plan
 from fleetllm.scrape import KV_USAGE, QUEUE_TIME
-
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_MODEL = "fleetllm.io/model"
-ANNOTATION_APPLIED = "fleetllm.io/applied-hash"
-MANAGER = "fleetllm"
-COMPONENT = "engine"
 
 CACHE_DIR = "/var/cache/fleetllm"
 CONFIG_DIR = "/etc/fleetllm"
@@ -47,38 +47,6 @@ DOWNLOAD_SECONDS_PER_GIB = 20
 LOAD_SECONDS_PER_GIB = 10
 # The drain hook's source, passed inline: vLLM's image has python3 but not fleetllm.
 DRAIN_HOOK_SOURCE = Path(drain_hook.__file__).read_text(encoding="utf-8")
-
-
-def selector_labels(name: str) -> dict[str, str]:
-    """The immutable subset of labels that selects one LLMDeployment's engine pods."""
-    return {LABEL_NAME: "fleetllm", LABEL_INSTANCE: name, LABEL_COMPONENT: COMPONENT}
-
-
-def selector_string(name: str) -> str:
-    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
-
-
-def child_labels(cr: LLMDeployment) -> dict[str, str]:
-    return {
-        **selector_labels(cr.metadata.name),
-        LABEL_MANAGED_BY: MANAGER,
-        LABEL_MODEL: cr.spec.model.name,
-    }
-
-
-def child_names(name: str) -> dict[str, str]:
-    """Kind -> name of each child."""
-    return {
-        "ConfigMap": f"{name}-engine",
-        "Service": name,
-        "Deployment": f"{name}-engine",
-        "PodDisruptionBudget": f"{name}-engine",
-    }
-
-
-def endpoint(name: str, namespace: str) -> str:
-    """In-cluster URL of the replicas (the headless Service resolves to the ready pods)."""
-    return f"http://{name}.{namespace}.svc:{ENGINE_PORT}"
 
 
 def _metadata(cr: LLMDeployment, name: str) -> dict[str, Any]:
@@ -136,9 +104,9 @@ def render_service(cr: LLMDeployment) -> dict[str, Any]:
             "publishNotReadyAddresses": False,
             "ports": [
                 {
-                    "name": "http",
+                    "name": PORT_NAME,
                     "port": ENGINE_PORT,
-                    "targetPort": "http",
+                    "targetPort": PORT_NAME,
                     "protocol": "TCP",
                     "appProtocol": "http",
                 }
@@ -246,7 +214,7 @@ def _env(cr: LLMDeployment) -> list[dict[str, Any]]:
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": "http"},
+        "httpGet": {"path": path, "port": PORT_NAME},
         "periodSeconds": period,
         "timeoutSeconds": timeout,
         "failureThreshold": failures,
@@ -356,7 +324,7 @@ def _pod_spec(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[str
         "image": plan.status.image,
         "command": list(plan.command),
         "args": list(plan.args),
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _env(cr),
         "resources": _resources(cr, plan, config),
         "volumeMounts": mounts,

@@ -31,11 +31,11 @@ from typing import Any
 
 import aiohttp
 
+from fleetllm.api.contract import ENGINE_PORT, PORT_NAME, selector_string
+from fleetllm.api.deployment import LLMDEPLOYMENTS
+from fleetllm.api.manifests import parse_llmdeployment
 from fleetllm.kube import PODS, ApiError, KubeClient
-from fleetllm.operator.api import LLMDEPLOYMENTS, parse_llmdeployment
 from fleetllm.operator.autoscale import Autoscaler, Decision, LawSettings, Observation
-from fleetllm.operator.planner import ENGINE_PORT
-from fleetllm.operator.render import selector_string
 from fleetllm.scrape import scrape_all
 
 logger = logging.getLogger("fleetllm.operator")
@@ -86,7 +86,7 @@ def ready_pods(pods: list[dict[str, Any]]) -> dict[str, str]:
 def _engine_port(pod: dict[str, Any]) -> int:
     for container in (pod.get("spec") or {}).get("containers") or []:
         for port in container.get("ports") or []:
-            if port.get("name") == "http" and isinstance(port.get("containerPort"), int):
+            if port.get("name") == PORT_NAME and isinstance(port.get("containerPort"), int):
                 return int(port["containerPort"])
     return ENGINE_PORT
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fleetllm.operator.api import Condition, LLMDeployment, LLMDeploymentStatus
+from fleetllm.api.contract import endpoint, selector_string
+from fleetllm.api.deployment import LLMDeployment
+from fleetllm.api.status import Condition, LLMDeploymentStatus
 from fleetllm.operator.planner import Plan
-from fleetllm.operator.render import endpoint, selector_string
 
 
 @dataclass(frozen=True)

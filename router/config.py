@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import get_args
 
-from fleetllm.operator.api import RoutingSpec
+from fleetllm.api.deployment import RoutingSpec
 
 # The CRD's strategy names are the router's.
 STRATEGIES: tuple[str, ...] = get_args(RoutingSpec.model_fields["strategy"].annotation)

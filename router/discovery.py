@@ -29,14 +29,14 @@ import aiohttp
 import yaml
 from pydantic import ValidationError
 
+from fleetllm.api.contract import LABEL_MANAGED_BY, MANAGER, PORT_NAME, child_names
+from fleetllm.api.deployment import GROUP, KIND, LLMDEPLOYMENTS, RoutingSpec
+from fleetllm.api.manifests import format_validation_error
 from fleetllm.kube import ENDPOINTSLICES, SERVICES, Backoff, KubeClient, Resource, Resync
-from fleetllm.operator.api import GROUP, KIND, LLMDEPLOYMENTS, RoutingSpec, format_validation_error
-from fleetllm.operator.render import LABEL_MANAGED_BY, MANAGER, child_names
 
 log = logging.getLogger("fleetllm.router")
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
-REPLICA_PORT_NAME = "http"
 # The operator labels its Services so; the EndpointSlice controller copies a Service's labels
 # onto its slices.
 CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER}"
@@ -331,7 +331,7 @@ def parse_endpoint_slice(obj: Mapping[str, Any]) -> SliceInfo | None:
     if not service:
         return None
     ports = [p for p in obj.get("ports") or [] if isinstance(p, dict) and p.get("port")]
-    named = [p for p in ports if p.get("name") == REPLICA_PORT_NAME]
+    named = [p for p in ports if p.get("name") == PORT_NAME]
     port = (named or ports or [{}])[0].get("port")
     refs: dict[str, ReplicaRef] = {}
     if isinstance(port, int):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Writes every generated file from its one source; tests fail when any is not current:
 # - crds/fleetllm.io_llmdeployments.yaml, its copy in charts/fleetllm/crds/ and
-#   docs/crd-reference.md, from the pydantic models (fleetllm.operator.api);
+#   docs/crd-reference.md, from the pydantic models (fleetllm.api);
 # - manifests/base/fleetllm.yaml and manifests/monitoring/monitoring.yaml: the Helm chart
 #   (charts/fleetllm, the one source of the control plane's objects) rendered with its default
 #   values, and with its monitoring objects turned on.

@@ -50,7 +50,7 @@ import pytest
 from kmock._internal import apps, rendering
 from openapi_schema_validator import OAS30Validator
 
-from fleetllm.operator.api import GROUP, KIND, PLURAL, VERSION
+from fleetllm.api.deployment import GROUP, KIND, PLURAL, VERSION
 from fleetllm.operator.crd import openapi_schema
 
 NAMESPACE = "default"

@@ -10,8 +10,8 @@ import time
 
 import aiohttp
 
+from fleetllm.api.scaling import ScalingSpec
 from fleetllm.local.supervisor import Load, ModelFleet, Supervisor
-from fleetllm.operator.api import ScalingSpec
 from fleetllm.operator.autoscale import Autoscaler, LawSettings, Observation
 from fleetllm.scrape import scrape_all
 

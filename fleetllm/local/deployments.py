@@ -18,17 +18,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fleetllm.engine import cpu_features
-from fleetllm.local.launch import LocalModel
-from fleetllm.operator.api import (
-    LLMDeployment,
-    ModelConfig,
-    ModelSource,
-    PodSpec,
+from fleetllm.api.deployment import LLMDeployment, ModelConfig, PodSpec
+from fleetllm.api.manifests import (
     format_validation_error,
     load_llmdeployments,
     parse_llmdeployment,
 )
+from fleetllm.api.source import ModelSource
+from fleetllm.engine import cpu_features
+from fleetllm.local.launch import LocalModel
 from fleetllm.operator.cli import plan_summary
 from fleetllm.operator.config import OperatorConfig
 from fleetllm.operator.planner import PlanError, plan

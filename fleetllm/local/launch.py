@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from fleetllm.operator.api import LLMDeployment
+from fleetllm.api.deployment import LLMDeployment
 from fleetllm.operator.planner import Plan, model_location
 from fleetllm.operator.render import startup_seconds
 

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch
 
+from fleetllm.api.catalog import GPU_TYPES
+from fleetllm.api.deployment import LLMDeploymentSpec
+from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.cli import build_parser
 from fleetllm.engine.config import DTYPES, EngineConfig, ModelConfig
 from fleetllm.engine.engine import LLMEngine
-from fleetllm.operator.api import LLMDeploymentSpec, load_llmdeployments
-from fleetllm.operator.catalog import GPU_TYPES
 from fleetllm.operator.planner import plan
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -9,12 +9,12 @@ import pytest
 import torch
 from tinymodels import build_hf_model
 
+from fleetllm.api.catalog import MODELS, ModelArch
 from fleetllm.engine.cpu_linear import packing_supported
 from fleetllm.engine.model_runner import ModelRunner
 from fleetllm.engine.parallel import TensorParallel
 from fleetllm.engine.quantization import weight_bytes
 from fleetllm.engine.worker import WorkerSpec, load_shard
-from fleetllm.operator.catalog import MODELS, ModelArch
 from fleetllm.operator.planner import builtin_kv_bytes_per_token, builtin_weight_bytes
 
 BLOCKS, BLOCK_SIZE = 3, 16

@@ -28,6 +28,7 @@ from kubeapi import (
 )
 
 from fleetllm import kube
+from fleetllm.api.deployment import API_VERSION, KIND, LLMDEPLOYMENTS
 from fleetllm.kube import (
     CONFIGMAPS,
     DEPLOYMENTS,
@@ -38,7 +39,6 @@ from fleetllm.kube import (
     WatchEvent,
     load_credentials,
 )
-from fleetllm.operator.api import API_VERSION, KIND, LLMDEPLOYMENTS
 
 pytestmark = [
     pytest.mark.asyncio,

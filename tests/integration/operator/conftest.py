@@ -20,8 +20,8 @@ from kubeapi import NAMESPACE, EmulatedApiServer, emulated_api, kubeconfig_for
 from kubeapi import eventually as eventually_
 from operator_testkit import Controllers, Load
 
+from fleetllm.api.deployment import KIND
 from fleetllm.kube import Credentials, KubeClient, load_credentials
-from fleetllm.operator.api import KIND
 from fleetllm.operator.handlers import OperatorState, build_registry, make_settings
 
 

@@ -12,9 +12,9 @@ from typing import Any
 from aiohttp import web
 from kubeapi import NAMESPACE, EmulatedApiServer
 
+from fleetllm.api.contract import selector_labels
 from fleetllm.engine.engine import EngineStats
 from fleetllm.engine.metrics import EngineMetrics
-from fleetllm.operator.render import selector_labels
 from fleetllm.operator.scaler import POD_DELETION_COST
 
 MODEL = "smollm2-135m"

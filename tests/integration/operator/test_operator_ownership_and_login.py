@@ -10,7 +10,7 @@ import kmock
 import pytest
 from kubeapi import ExecPlugin, kubeconfig_for
 
-from fleetllm.operator.api import API_VERSION, KIND
+from fleetllm.api.deployment import API_VERSION, KIND
 
 pytestmark = [
     pytest.mark.asyncio,

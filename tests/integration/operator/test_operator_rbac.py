@@ -38,8 +38,8 @@ from local_services import free_port, stop_process
 from operator_testkit import Load
 from rbac import Attributes, Grant, allows, attributes, grants, wildcards
 
+from fleetllm.api.deployment import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from fleetllm.cli import build_parser
-from fleetllm.operator.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from fleetllm.operator.handlers import make_settings
 
 pytestmark = [

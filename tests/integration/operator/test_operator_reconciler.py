@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fleetllm.operator.api import API_VERSION, KIND
+from fleetllm.api.deployment import API_VERSION, KIND
 
 pytestmark = [
     pytest.mark.asyncio,

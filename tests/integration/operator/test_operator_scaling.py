@@ -18,8 +18,8 @@ from kubeapi import CR_RESOURCE, NAMESPACE, EmulatedApiServer
 from openapi_schema_validator import OAS30Validator
 from operator_testkit import DEPLOYMENTS, MODEL, Load
 
+from fleetllm.api.deployment import API_VERSION, KIND
 from fleetllm.kube import KubeClient, load_credentials
-from fleetllm.operator.api import API_VERSION, KIND
 from fleetllm.operator.scaler import FIELD_MANAGER, POD_DELETION_COST
 from fleetllm.router.discovery import KubernetesDiscovery, ModelRoute
 

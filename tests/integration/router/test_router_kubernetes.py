@@ -24,8 +24,8 @@ import pytest_asyncio
 from kubeapi import CR_RESOURCE, EmulatedApiServer, emulated_api, kubeconfig_for
 from router_testkit import EngineFleet, Process, async_wait_until, metric_sum
 
-from fleetllm.operator.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from fleetllm.operator.render import LABEL_MANAGED_BY, LABEL_MODEL, MANAGER
+from fleetllm.api.contract import LABEL_MANAGED_BY, LABEL_MODEL, MANAGER
+from fleetllm.api.deployment import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from fleetllm.router.discovery import SERVICE_NAME_LABEL
 
 pytestmark = [

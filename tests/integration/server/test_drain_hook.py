@@ -14,9 +14,10 @@ from local_services import free_port
 from server_helpers import SERVED_NAME, ServerProcess, parse_sse, tiny_server_args
 from test_server_shutdown import EXIT_GUARD_S, StreamThread
 
-from fleetllm.operator.api import LLMDeployment
+from fleetllm.api.contract import ENGINE_PORT
+from fleetllm.api.deployment import LLMDeployment
 from fleetllm.operator.planner import plan
-from fleetllm.operator.render import ENGINE_PORT, PRESTOP_SECONDS, render
+from fleetllm.operator.render import PRESTOP_SECONDS, render
 
 SMOLLM2 = {
     "apiVersion": "fleetllm.io/v1alpha1",

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from fleetllm.operator.api import ScalingSpec
+from fleetllm.api.scaling import ScalingSpec
 from fleetllm.operator.autoscale import (
     Autoscaler,
     Decision,

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from openapi_schema_validator import OAS30Validator
 
-from fleetllm.operator.api import parse_llmdeployment
+from fleetllm.api.manifests import parse_llmdeployment
 from fleetllm.operator.planner import plan
 from fleetllm.operator.render import render, render_autoscaler
 

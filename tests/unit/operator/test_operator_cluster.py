@@ -20,8 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from fleetllm.operator.api import LLMDeployment, LLMDeploymentSpec, load_llmdeployments
-from fleetllm.operator.catalog import (
+from fleetllm.api.catalog import (
     GKE_ACCELERATOR_LABEL,
     GPU_PRODUCT_LABEL,
     GPU_PROFILES,
@@ -29,6 +28,8 @@ from fleetllm.operator.catalog import (
     KARPENTER_GPU_MEMORY_LABEL,
     KARPENTER_GPU_NAME_LABEL,
 )
+from fleetllm.api.deployment import LLMDeployment, LLMDeploymentSpec
+from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.operator.config import ModelCache, OperatorConfig
 from fleetllm.operator.images import BUILT_IMAGES, UPSTREAM_IMAGES, VLLM_IMAGE, built_image
 from fleetllm.operator.planner import PlanError, plan

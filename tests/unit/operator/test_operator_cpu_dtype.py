@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fleetllm.operator.api import LLMDeploymentSpec
+from fleetllm.api.deployment import LLMDeploymentSpec
 from fleetllm.operator.cli import add_config_arguments, config_from_args
 from fleetllm.operator.config import OperatorConfig
 from fleetllm.operator.planner import plan

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from openapi_schema_validator import OAS30Validator
 
-from fleetllm.operator.api import parse_llmdeployment
-from fleetllm.operator.catalog import GPU_TYPES
+from fleetllm.api.catalog import GPU_TYPES
+from fleetllm.api.manifests import parse_llmdeployment
 from fleetllm.operator.crd import crd, crd_yaml, reference_markdown
 from fleetllm.operator.planner import PlanError, plan
 

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetllm.operator.api import LLMDeploymentSpec, load_llmdeployments
+from fleetllm.api.deployment import LLMDeploymentSpec
+from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.operator.engine_args import ArgsRefused, flags_changed, parse_serve_args
 from fleetllm.operator.planner import OWNED_FLAGS, PlanError, plan
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetllm.operator.api import LLMDeploymentSpec
-from fleetllm.operator.catalog import GPU_TYPES, MODELS, GPUType, ModelArch, find_model
+from fleetllm.api.catalog import GPU_TYPES, MODELS, GPUType, ModelArch, find_model
+from fleetllm.api.deployment import LLMDeploymentSpec
 from fleetllm.operator.planner import PlanError, estimate, plan
 
 MIB = 2**20

@@ -9,10 +9,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from fleetllm.operator.api import LLMDeployment, load_llmdeployments
+from fleetllm.api.contract import ANNOTATION_APPLIED
+from fleetllm.api.deployment import LLMDeployment
+from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.operator.planner import plan
 from fleetllm.operator.reconciler import is_subset, needs_apply
-from fleetllm.operator.render import ANNOTATION_APPLIED, render
+from fleetllm.operator.render import render
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))

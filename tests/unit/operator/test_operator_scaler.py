@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetllm.operator.planner import ENGINE_PORT
+from fleetllm.api.contract import ENGINE_PORT
 from fleetllm.operator.scaler import deletion_costs, ready_pods
 
 

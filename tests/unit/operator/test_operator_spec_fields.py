@@ -9,7 +9,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from fleetllm.operator.api import LLMDeployment, parse_llmdeployment
+from fleetllm.api.deployment import LLMDeployment
+from fleetllm.api.manifests import parse_llmdeployment
 from fleetllm.operator.crd import crd
 from fleetllm.operator.planner import PlanError, plan
 from fleetllm.operator.render import render

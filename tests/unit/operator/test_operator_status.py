@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetllm.operator.api import parse_llmdeployment
+from fleetllm.api.manifests import parse_llmdeployment
 from fleetllm.operator.planner import plan
 from fleetllm.operator.status import Refusal, build_status
 

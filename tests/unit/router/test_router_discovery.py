@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from fleetllm.operator.render import LABEL_MODEL
+from fleetllm.api.contract import LABEL_MODEL
 from fleetllm.router.discovery import (
     SERVICE_NAME_LABEL,
     Fleet,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from fleetllm.operator.api import LLMDEPLOYMENTS
+from fleetllm.api.deployment import LLMDEPLOYMENTS
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import (
     KubernetesDiscovery,

@@ -1,0 +1,53 @@
+"""What the objects of one LLMDeployment are called and how they are found: labels, child
+names, selectors, the engine's port. The operator renders these; the router's discovery, the
+autoscaler and the local fleet find replicas by them."""
+
+from __future__ import annotations
+
+from fleetllm.api.deployment import LLMDeployment
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_MODEL = "fleetllm.io/model"
+ANNOTATION_APPLIED = "fleetllm.io/applied-hash"
+MANAGER = "fleetllm"
+COMPONENT = "engine"
+
+ENGINE_PORT = 8000
+"""The port every engine container listens on, whatever the backend."""
+PORT_NAME = "http"
+"""The name of that port on the container and on the Service (probes and discovery use it)."""
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The immutable subset of labels that selects one LLMDeployment's engine pods."""
+    return {LABEL_NAME: "fleetllm", LABEL_INSTANCE: name, LABEL_COMPONENT: COMPONENT}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
+
+
+def child_labels(cr: LLMDeployment) -> dict[str, str]:
+    return {
+        **selector_labels(cr.metadata.name),
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_MODEL: cr.spec.model.name,
+    }
+
+
+def child_names(name: str) -> dict[str, str]:
+    """Kind -> name of each child."""
+    return {
+        "ConfigMap": f"{name}-engine",
+        "Service": name,
+        "Deployment": f"{name}-engine",
+        "PodDisruptionBudget": f"{name}-engine",
+    }
+
+
+def endpoint(name: str, namespace: str) -> str:
+    """In-cluster URL of the replicas (the headless Service resolves to the ready pods)."""
+    return f"http://{name}.{namespace}.svc:{ENGINE_PORT}"

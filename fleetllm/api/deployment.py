@@ -1,0 +1,368 @@
+"""The LLMDeployment custom resource as pydantic models: the single source of truth.
+
+The CRD in crds/ is generated from these models (`fleetllm crds`); field names are the
+camelCase aliases Kubernetes users write, and every description here is what `kubectl explain`
+prints. Models reject unknown fields, so a typo is an error, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from fleetllm.api.base import SpecModel
+from fleetllm.api.catalog import GPU_PROFILES, GPU_TYPES
+from fleetllm.api.quantity import QUANTITY_PATTERN, Quantity
+from fleetllm.api.scaling import ScalingSpec
+from fleetllm.api.source import SOURCE_PATTERN
+from fleetllm.kube import Resource
+
+GROUP = "fleetllm.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "LLMDeployment"
+PLURAL = "llmdeployments"
+SINGULAR = "llmdeployment"
+SHORT_NAMES = ["llmd"]
+LLMDEPLOYMENTS = Resource(API_VERSION, PLURAL, KIND)
+
+# A Service is named after its LLMDeployment, so the name must be a DNS-1035 label; the longest
+# child suffix ("-engine") must still fit in 63 characters.
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_MAX_LENGTH = 56
+# The served model name becomes the `fleetllm.io/model` label value of every child.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+
+class ModelConfig(SpecModel):
+    """Architecture of a model that is not in the built-in catalog; the planner sizes weights
+    and KV cache from it. Give intermediateSize (exact) or parameters (total count)."""
+
+    num_layers: int = Field(ge=1, le=1024, description="Number of transformer layers.")
+    hidden_size: int = Field(ge=1, le=1 << 17, description="Hidden (model) dimension.")
+    num_heads: int = Field(ge=1, le=1024, description="Number of attention (query) heads.")
+    num_kv_heads: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        alias="numKVHeads",
+        description="Key/value heads (GQA); defaults to numHeads.",
+    )
+    head_dim: int | None = Field(
+        None, ge=1, le=1024, description="Dimension of one head; defaults to hiddenSize/numHeads."
+    )
+    vocab_size: int = Field(ge=1, le=1 << 22, description="Vocabulary size.")
+    max_position_embeddings: int = Field(
+        ge=16, le=1 << 24, description="Longest context the model supports, in tokens."
+    )
+    intermediate_size: int | None = Field(
+        None, ge=1, le=1 << 20, description="MLP inner dimension (SwiGLU)."
+    )
+    parameters: int | None = Field(
+        None, ge=1, description="Total parameter count, when intermediateSize is not given."
+    )
+    tied_embeddings: bool = Field(
+        False, description="Whether the output head shares the input embedding matrix."
+    )
+
+    @model_validator(mode="after")
+    def _sizable(self) -> ModelConfig:
+        if self.intermediate_size is None and self.parameters is None:
+            raise ValueError("give intermediateSize or parameters, so that weights can be sized")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hiddenSize {self.hidden_size} is not divisible by numHeads {self.num_heads}; "
+                "give headDim"
+            )
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"numHeads {self.num_heads} is not a multiple of numKVHeads {self.num_kv_heads}"
+            )
+        return self
+
+
+class ModelSpec(SpecModel):
+    """Which model to serve and under which name."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=63,
+        pattern=MODEL_NAME_PATTERN,
+        description="Served model name: the `model` field of OpenAI requests, also the "
+        "fleetllm.io/model label of every child object.",
+    )
+    source: str = Field(
+        pattern=SOURCE_PATTERN,
+        description="Where the weights come from: hf://org/name[@revision], "
+        "pvc://claim[/path], s3://bucket/path, builtin://smollm2-135m (in the image), or "
+        "file://path (a local folder or .gguf file; `fleetllm up` only, relative paths are "
+        "read from the manifest's folder).",
+    )
+    architecture: str | None = Field(
+        None,
+        description="Catalog entry to size the model by (e.g. Llama-3.1-8B); inferred from "
+        "the source when omitted.",
+    )
+    config: ModelConfig | None = Field(
+        None, description="Inline architecture for models outside the catalog."
+    )
+
+
+class EnvVar(SpecModel):
+    """An environment variable of the engine container (as in a Pod spec)."""
+
+    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str | None = None
+    value_from: dict[str, Any] | None = Field(
+        None, description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, ...)."
+    )
+
+
+class EngineSpec(SpecModel):
+    """The inference engine that runs in each replica."""
+
+    backend: Literal["builtin", "vllm"] = Field(
+        "builtin", description="builtin: fleetllm's own engine; vllm: the vLLM OpenAI server."
+    )
+    image: str | None = Field(
+        None, min_length=1, description="Container image; a pinned default per backend."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Activation and unquantized weight dtype; auto is bfloat16 on GPUs that "
+        "have it (float16 on others), and on CPUs bfloat16 only where they compute it natively "
+        "(the operator's --cpu-bf16; `fleetllm up` reads its own CPU), else float32.",
+    )
+    max_num_seqs: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="At most this many sequences run at once (the planned value is the lesser; "
+        "lower it when preemptions rise). Default: planned from the KV-cache capacity.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Extra engine flags, appended after the planned ones; flags the planner "
+        "sets are refused here (use the matching spec field), and with the builtin engine so "
+        "is anything `fleetllm engine serve` would refuse.",
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="Extra environment variables of the engine (and of the container that "
+        "pulls the weights); one per name, and a name the operator also sets takes this value.",
+    )
+    drain_seconds: int = Field(
+        60,
+        ge=0,
+        le=3600,
+        description="How long in-flight requests may finish after a replica is told to stop.",
+    )
+
+    @model_validator(mode="after")
+    def _env_names_once(self) -> EngineSpec:
+        names = [var.name for var in self.env]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"env sets {', '.join(twice)} more than once")
+        return self
+
+
+class QuantizationSpec(SpecModel):
+    """Quantization of the weights and of the KV cache."""
+
+    weights: Literal["none", "int8", "fp8", "awq", "gptq"] = Field(
+        "none",
+        description="none: unquantized weights; fp8: quantized at load (Ada/Hopper); int8: "
+        "quantized at load by the builtin engine, an int8 checkpoint for vLLM; awq, gptq "
+        "(vLLM only): the source must be a checkpoint quantized that way.",
+    )
+    kv_cache: Literal["auto", "fp8", "int8"] = Field(
+        "auto",
+        description="KV cache element type: auto follows the model dtype; fp8 needs "
+        "Ada/Hopper; int8 is served by the builtin engine only.",
+    )
+
+
+class ParallelismSpec(SpecModel):
+    """How one replica spreads the model over its devices (tensor x pipeline GPUs)."""
+
+    tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel degree.")
+    pipeline: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree.")
+
+
+class SpeculativeSpec(SpecModel):
+    """Speculative decoding (vLLM's speculative_config): draft tokens proposed by matching
+    n-grams in the context, verified in one forward pass; the output is unchanged."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.promptLookupMin <= self.promptLookupMax",
+                    "message": "promptLookupMin must not exceed promptLookupMax",
+                }
+            ]
+        }
+    )
+
+    method: Literal["ngram"] = Field("ngram", description="How drafts are proposed.")
+    num_speculative_tokens: int = Field(ge=1, le=16, description="Draft tokens proposed per step.")
+    prompt_lookup_max: int = Field(
+        4, ge=1, le=64, description="Longest n-gram matched against the context."
+    )
+    prompt_lookup_min: int = Field(
+        1, ge=1, le=64, description="Shortest n-gram matched against the context."
+    )
+
+    @model_validator(mode="after")
+    def _lookup_bounds(self) -> SpeculativeSpec:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"promptLookupMin {self.prompt_lookup_min} exceeds promptLookupMax "
+                f"{self.prompt_lookup_max}"
+            )
+        return self
+
+
+class GPUSpec(SpecModel):
+    """The accelerator each replica runs on; the count is tensor x pipeline."""
+
+    type: str = Field(
+        json_schema_extra={"enum": list(GPU_TYPES)},
+        description="Accelerator type from the catalog; cpu runs without one.",
+    )
+    node_selector_profile: str | None = Field(
+        None,
+        json_schema_extra={"enum": list(GPU_PROFILES)},
+        description="Which node labels select this GPU type: gfd (nvidia.com/gpu.product), "
+        "gke (cloud.google.com/gke-accelerator), karpenter "
+        "(karpenter.k8s.aws/instance-gpu-name), or none (no GPU label; set pod.nodeSelector "
+        "to choose nodes yourself). Defaults to the operator's --gpu-profile.",
+    )
+
+    @model_validator(mode="after")
+    def _known(self) -> GPUSpec:
+        if self.node_selector_profile is not None and self.node_selector_profile not in (
+            GPU_PROFILES
+        ):
+            raise ValueError(
+                f"nodeSelectorProfile {self.node_selector_profile!r} is not one of "
+                f"{', '.join(GPU_PROFILES)}"
+            )
+        return self
+
+
+class RoutingSpec(SpecModel):
+    """How the router spreads this model's requests over its replicas."""
+
+    strategy: Literal["prefix", "least-load", "round-robin", "session"] = Field(
+        "prefix",
+        description="prefix: consistent hashing on the prompt prefix with bounded load; "
+        "least-load; round-robin; session: sticky by a request header.",
+    )
+    load_factor: float = Field(
+        1.25, ge=1, le=10, description="prefix: no replica takes more than this x mean load."
+    )
+    session_header: str = Field(
+        "x-session-id", min_length=1, description="session: the header that keys a session."
+    )
+
+
+class Toleration(SpecModel):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class ResourceRequirements(SpecModel):
+    """Requests and limits that override the planned ones key by key."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _quantities(self) -> ResourceRequirements:
+        for part, values in (("requests", self.requests), ("limits", self.limits)):
+            for key, value in values.items():
+                if not re.match(QUANTITY_PATTERN, str(value)):
+                    raise ValueError(f"{part}.{key}: {value!r} is not a Kubernetes quantity")
+        return self
+
+
+class PodSpec(SpecModel):
+    """Settings passed through to the engine pods."""
+
+    resources: ResourceRequirements | None = None
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = Field(
+        None, description="A Kubernetes Affinity; replaces the default spreading over nodes."
+    )
+    priority_class_name: str | None = None
+    service_account_name: str | None = None
+    annotations: dict[str, str] = Field(default_factory=dict, description="Pod annotations.")
+
+
+def _default(model: type[BaseModel]) -> Any:
+    return Field(default_factory=model, json_schema_extra={"default": {}})
+
+
+class LLMDeploymentSpec(SpecModel):
+    """One served model: what it is, what it runs on, and how many replicas."""
+
+    model: ModelSpec
+    engine: EngineSpec = _default(EngineSpec)
+    quantization: QuantizationSpec = _default(QuantizationSpec)
+    parallelism: ParallelismSpec = _default(ParallelismSpec)
+    speculative: SpeculativeSpec | None = None
+    gpu: GPUSpec
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        le=1 << 24,
+        description="Longest prompt + completion, in tokens; defaults to the model's limit.",
+    )
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="Desired replicas (kubectl scale, the router and the autoscaler set it); "
+        "kept within scaling.minReplicas..maxReplicas when scaling is given.",
+    )
+    scaling: ScalingSpec | None = None
+    routing: RoutingSpec = _default(RoutingSpec)
+    pod: PodSpec = _default(PodSpec)
+
+    def desired_replicas(self) -> int:
+        if self.scaling is None:
+            return self.replicas
+        return min(max(self.replicas, self.scaling.min_replicas), self.scaling.max_replicas)
+
+
+class ObjectMeta(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str = Field(min_length=1, max_length=NAME_MAX_LENGTH, pattern=NAME_PATTERN)
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class LLMDeployment(SpecModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+    )
+
+    api_version: Literal["fleetllm.io/v1alpha1"]
+    kind: Literal["LLMDeployment"]
+    metadata: ObjectMeta
+    spec: LLMDeploymentSpec

@@ -1,0 +1,131 @@
+"""spec.scaling: the autoscaler's bounds and targets, and what each scaling mode can do."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from fleetllm.api.base import SpecModel
+
+DEFAULT_QUEUE_TIME_SECONDS = 1.0
+MAX_HPA_DELAY_SECONDS = 3600
+"""The longest scale-down stabilization window an HPA (and so KEDA) takes."""
+# What the modes hpa and keda cannot do as the builtin autoscaler does: refused rather than
+# silently done otherwise.
+KEDA_ZERO_MESSAGE = (
+    "mode keda with minReplicas 0 needs scaleToZeroAfterSeconds (KEDA scales an idle model to "
+    "zero after that cooldown; the builtin mode never does without it)"
+)
+HPA_DELAY_MESSAGE = (
+    f"modes hpa and keda take scaleDownDelaySeconds up to {MAX_HPA_DELAY_SECONDS} (the HPA's "
+    "longest stabilization window); use mode builtin for a longer delay"
+)
+HPA_QUEUE_MESSAGE = (
+    "mode hpa scales on KV-cache usage only (a queue-time p90 needs PromQL): "
+    f"targetQueueTimeSeconds other than {DEFAULT_QUEUE_TIME_SECONDS:g} takes effect with modes "
+    "builtin and keda"
+)
+
+
+class ScalingSpec(SpecModel):
+    """Bounds and targets for the autoscaler. spec.replicas is kept within the bounds; without
+    scaling, nothing but the user (and the router's scale from zero) changes it."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.minReplicas <= self.maxReplicas",
+                    "message": "minReplicas must not exceed maxReplicas",
+                },
+                {
+                    "rule": "!has(self.scaleToZeroAfterSeconds) || self.minReplicas == 0",
+                    "message": "scaleToZeroAfterSeconds needs minReplicas: 0",
+                },
+                {
+                    "rule": "!has(self.mode) || self.mode != 'keda' || has(self.prometheusAddress)",
+                    "message": "mode keda needs prometheusAddress",
+                },
+                {
+                    "rule": "!has(self.mode) || self.mode != 'hpa' || self.minReplicas >= 1",
+                    "message": "mode hpa needs minReplicas >= 1 (the HPA does not scale to zero)",
+                },
+                {
+                    "rule": "!has(self.mode) || self.mode != 'keda' || self.minReplicas >= 1"
+                    " || has(self.scaleToZeroAfterSeconds)",
+                    "message": KEDA_ZERO_MESSAGE,
+                },
+                {
+                    "rule": "!has(self.mode) || self.mode == 'builtin'"
+                    " || !has(self.scaleDownDelaySeconds)"
+                    f" || self.scaleDownDelaySeconds <= {MAX_HPA_DELAY_SECONDS}",
+                    "message": HPA_DELAY_MESSAGE,
+                },
+                {
+                    "rule": "!has(self.mode) || self.mode != 'hpa'"
+                    " || !has(self.targetQueueTimeSeconds)"
+                    f" || self.targetQueueTimeSeconds == {DEFAULT_QUEUE_TIME_SECONDS}",
+                    "message": HPA_QUEUE_MESSAGE,
+                },
+            ]
+        }
+    )
+
+    min_replicas: int = Field(1, ge=0, le=1000, description="Fewest replicas (0 allows zero).")
+    max_replicas: int = Field(ge=1, le=1000, description="Most replicas.")
+    target_kv_cache_usage: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        alias="targetKVCacheUsage",
+        description="Scale up above this mean KV-cache usage (0..1).",
+    )
+    target_queue_time_seconds: float = Field(
+        DEFAULT_QUEUE_TIME_SECONDS,
+        gt=0,
+        le=3600,
+        description="Scale up when requests queue longer than this.",
+    )
+    scale_down_delay_seconds: int = Field(
+        300, ge=0, le=86400, description="Quiet time before removing a replica."
+    )
+    scale_to_zero_after_seconds: int | None = Field(
+        None, ge=1, le=604800, description="Idle time before scaling to zero (minReplicas: 0)."
+    )
+    mode: Literal["builtin", "keda", "hpa"] = Field(
+        "builtin",
+        description="builtin: the operator scales from the engines' /metrics; keda: render a "
+        "KEDA ScaledObject on Prometheus queries instead; hpa: render an autoscaling/v2 "
+        "HorizontalPodAutoscaler on the engines' metrics through the custom metrics API.",
+    )
+    prometheus_address: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s/]+(/\S*)?$",
+        max_length=2048,
+        description="mode keda: the Prometheus server KEDA queries (http://host:port).",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ScalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"minReplicas {self.min_replicas} exceeds maxReplicas {self.max_replicas}"
+            )
+        if self.scale_to_zero_after_seconds is not None and self.min_replicas != 0:
+            raise ValueError("scaleToZeroAfterSeconds needs minReplicas: 0")
+        if self.mode == "keda" and self.prometheus_address is None:
+            raise ValueError("mode keda needs prometheusAddress")
+        if self.mode == "hpa" and self.min_replicas < 1:
+            raise ValueError("mode hpa needs minReplicas >= 1 (the HPA does not scale to zero)")
+        if (
+            self.mode == "keda"
+            and self.min_replicas == 0
+            and self.scale_to_zero_after_seconds is None
+        ):
+            raise ValueError(KEDA_ZERO_MESSAGE)
+        if self.mode != "builtin" and self.scale_down_delay_seconds > MAX_HPA_DELAY_SECONDS:
+            raise ValueError(HPA_DELAY_MESSAGE)
+        if self.mode == "hpa" and self.target_queue_time_seconds != DEFAULT_QUEUE_TIME_SECONDS:
+            raise ValueError(HPA_QUEUE_MESSAGE)
+        return self

@@ -1,0 +1,75 @@
+"""The LLMDeployment's status as the operator writes it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from fleetllm.api.base import StatusModel
+
+
+class Condition(StatusModel):
+    """A Kubernetes-style condition."""
+
+    type: Literal["Planned", "Progressing", "Ready", "Degraded", "ScaledToZero"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
+    message: str = Field("", max_length=32768)
+    last_transition_time: str = Field(
+        json_schema_extra={"format": "date-time"}, description="When status last changed."
+    )
+    observed_generation: int | None = Field(None, ge=0)
+
+
+class PlanStatus(StatusModel):
+    """What the planner decided; memory figures are per device."""
+
+    backend: str
+    device: str = Field(description="Where the engine runs: cuda (the GPUs) or cpu.")
+    gpu_type: str
+    gpu_count: int = Field(description="Devices per replica (tensor x pipeline).")
+    device_memory_gib: float = Field(alias="deviceMemoryGiB")
+    weights_gib: float = Field(alias="weightsGiB", description="Weights per device.")
+    kv_cache_gib: float = Field(alias="kvCacheGiB", description="KV cache per device.")
+    overhead_gib: float = Field(
+        alias="overheadGiB", description="Activations and runtime per device."
+    )
+    kv_bytes_per_token: int = Field(description="KV bytes one token takes on one device.")
+    max_concurrent_tokens: int = Field(description="KV capacity of a replica, in tokens.")
+    max_concurrent_sequences: int = Field(description="Full maxModelLen sequences that fit.")
+    max_model_len: int
+    dtype: str
+    kv_cache_dtype: str
+    weights: str
+    gpu_memory_utilization: float
+    block_size: int
+    num_kv_blocks: int = Field(alias="numKVBlocks")
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    image: str
+    engine_args: list[str]
+
+
+class LLMDeploymentStatus(StatusModel):
+    """Observed state, written by the operator."""
+
+    observed_generation: int | None = Field(None, description="Generation last reconciled.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    replicas: int = Field(0, description="Engine pods that exist.")
+    ready_replicas: int = Field(0, description="Engine pods that serve.")
+    desired_replicas: int = Field(0, description="spec.replicas within the scaling bounds.")
+    selector: str | None = Field(None, description="Label selector of the engine pods (scale).")
+    plan: PlanStatus | None = None
+    endpoint: str | None = Field(None, description="In-cluster URL of the replicas' Service.")
+    last_scale_time: str | None = Field(
+        None,
+        json_schema_extra={"format": "date-time"},
+        description="When the autoscaler (spec.scaling.mode builtin) last changed spec.replicas.",
+    )
+    last_scale_reason: str | None = Field(
+        None, max_length=4096, description="Why, as `FROM -> TO: what the autoscaler saw`."
+    )

@@ -21,7 +21,8 @@ from kubeapi import eventually as eventually_
 from operator_testkit import Controllers, Load
 
 from fleetllm.api.deployment import KIND
-from fleetllm.kube import Credentials, KubeClient, load_credentials
+from fleetllm.kube.client import KubeClient
+from fleetllm.kube.login import Credentials, load_credentials
 from fleetllm.operator.handlers import OperatorState, build_registry, make_settings
 
 

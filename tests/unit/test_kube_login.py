@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kubeapi import ExecPlugin, kubeconfig_for
+from kubelogin import ExecPlugin, kubeconfig_for
 
 from fleetllm.kube.login import LoginError, load_credentials
 

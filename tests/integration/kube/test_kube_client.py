@@ -18,14 +18,8 @@ import kmock
 import pytest
 import pytest_asyncio
 import trustme
-from kubeapi import (
-    CR_RESOURCE,
-    EmulatedApiServer,
-    ExecPlugin,
-    emulated_api,
-    eventually,
-    kubeconfig_for,
-)
+from kubeapi import CR_RESOURCE, EmulatedApiServer, emulated_api, eventually
+from kubelogin import ExecPlugin, kubeconfig_for
 
 from fleetllm.api.deployment import API_VERSION, KIND, LLMDEPLOYMENTS
 from fleetllm.kube import login

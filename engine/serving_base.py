@@ -150,29 +150,22 @@ def choice(
     }
 
 
+@dataclasses.dataclass(eq=False)
 class OpenAIServing:
     """The base every endpoint serves on, one per server: the engine and its served names,
     the checks, the submit, the stream and the whole answer, the request log."""
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        models: ServedModels,
-        *,
-        log_requests_text: bool = False,
-        max_request_choices: int = DEFAULT_MAX_REQUEST_CHOICES,
-        max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
-    ) -> None:
-        self.engine = engine
-        self.models = models
-        self.log_requests_text = log_requests_text
-        # Bounds on the work one HTTP request may ask for: engine requests (prompts x n), and
-        # tokens over all of them (prompt + max_tokens each).
-        self.max_request_choices = max_request_choices
-        self.max_request_tokens = max_request_tokens
-        self._token_text: dict[int, str] = {}
-        # Generation requests admitted and not yet answered in full; draining waits for them.
-        self.num_active = 0
+    engine: AsyncEngine
+    models: ServedModels
+    _: dataclasses.KW_ONLY
+    log_requests_text: bool = False
+    # Bounds on the work one HTTP request may ask for: engine requests (prompts x n), and
+    # tokens over all of them (prompt + max_tokens each).
+    max_request_choices: int = DEFAULT_MAX_REQUEST_CHOICES
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+    # Generation requests admitted and not yet answered in full; draining waits for them.
+    num_active: int = dataclasses.field(default=0, init=False)
+    _token_text: dict[int, str] = dataclasses.field(default_factory=dict, init=False)
 
     # -- the model and its tokenizer -------------------------------------------------------
 

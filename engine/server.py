@@ -1,9 +1,11 @@
 """The engine's OpenAI-compatible HTTP server: app factory, routes, and the process runner.
 
-Routes stay thin: they read and validate the body, then hand over to `OpenAIServing`. Every
-error is answered in OpenAI's envelope (`fleetllm.errors`), from one handler per exception kind.
-/openapi.json describes each route's request body with the protocol models' JSON schemas (the
-routes read the raw body themselves, for the size limit and vLLM's error wording).
+Routes stay thin: they read and validate the body, then hand over to the endpoint's serving
+class (serving_completion, serving_chat, serving_tokenization), all over one `OpenAIServing`
+(serving_base) and one `ServedModels` (serving_models). Every error is answered in OpenAI's
+envelope (`fleetllm.errors`), from one handler per exception kind. /openapi.json describes each
+route's request body with the protocol models' JSON schemas (the routes read the raw body
+themselves, for the size limit and vLLM's error wording).
 
 /health answers 503 while the model loads, after the engine failed, while draining, and while
 the engine thread has been in one step for longer than `step_timeout` (a watchdog for a step
@@ -37,11 +39,6 @@ from fleetllm.engine.async_engine import AsyncEngine
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.metrics import EngineMetrics
-from fleetllm.engine.openai_serving import (
-    DEFAULT_MAX_REQUEST_CHOICES,
-    DEFAULT_MAX_REQUEST_TOKENS,
-    OpenAIServing,
-)
 from fleetllm.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,6 +48,15 @@ from fleetllm.engine.protocol import (
     parse_request,
     parse_tokenize_request,
 )
+from fleetllm.engine.serving_base import (
+    DEFAULT_MAX_REQUEST_CHOICES,
+    DEFAULT_MAX_REQUEST_TOKENS,
+    OpenAIServing,
+)
+from fleetllm.engine.serving_chat import OpenAIServingChat
+from fleetllm.engine.serving_completion import OpenAIServingCompletion
+from fleetllm.engine.serving_models import ServedModels
+from fleetllm.engine.serving_tokenization import OpenAIServingTokenization
 from fleetllm.errors import APIError, error_body
 from fleetllm.logs import configure_logging
 from fleetllm.version import __version__
@@ -88,13 +94,17 @@ class ServerState:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
+        models = ServedModels(settings.model_names, settings.model_root, settings.created)
         self.serving = OpenAIServing(
             engine,
-            settings.model_names,
+            models,
             log_requests_text=settings.log_requests_text,
             max_request_choices=settings.max_request_choices,
             max_request_tokens=settings.max_request_tokens,
         )
+        self.completion = OpenAIServingCompletion(self.serving)
+        self.chat = OpenAIServingChat(self.serving)
+        self.tokenization = OpenAIServingTokenization(self.serving)
         self.draining = False
         self.step_hung = False  # the watchdog's last verdict, to log each change once
 
@@ -227,31 +237,19 @@ def create_app(
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
         loaded = engine.engine
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": settings.created,
-                "owned_by": "fleetllm",
-                "root": settings.model_root or settings.model_names[0],
-                "parent": None,
-                "max_model_len": loaded.max_model_len if loaded else None,
-            }
-            for name in settings.model_names
-        ]
-        return {"object": "list", "data": data}
+        return state.serving.models.listing(loaded.max_model_len if loaded else None)
 
     @api.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         state.check_accepting()
         req = parse_request(CompletionRequest, await read_body(request))
-        return await state.serving.create_completion(req, request)
+        return await state.completion.create_completion(req, request)
 
     @api.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         state.check_accepting()
         req = parse_request(ChatCompletionRequest, await read_body(request))
-        return await state.serving.create_chat_completion(req, request)
+        return await state.chat.create_chat_completion(req, request)
 
     @api.post(
         "/tokenize", openapi_extra=_body_schema(TokenizeCompletionRequest, TokenizeChatRequest)
@@ -259,37 +257,13 @@ def create_app(
     async def tokenize(request: Request) -> dict[str, Any]:
         state.check_accepting()
         req = parse_tokenize_request(await read_body(request))
-        serving = state.serving
-        serving.check_model(req.model)
-        if isinstance(req, TokenizeChatRequest):
-            text = await serving.render_chat(
-                req.messages,
-                req.add_generation_prompt,
-                req.continue_final_message,
-                req.chat_template_kwargs,
-            )
-        else:
-            text = req.prompt
-        tokens = await serving.encode(text, add_special_tokens=req.add_special_tokens)
-        tokenizer = serving.tokenizer()
-        return {
-            "count": len(tokens),
-            "max_model_len": serving.max_model_len,
-            "tokens": tokens,
-            "token_strs": tokenizer.convert_ids_to_tokens(tokens)
-            if req.return_token_strs
-            else None,
-        }
+        return await state.tokenization.tokenize(req)
 
     @api.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
     async def detokenize(request: Request) -> dict[str, Any]:
         state.check_accepting()
         req = parse_request(DetokenizeRequest, await read_body(request))
-        serving = state.serving
-        serving.check_model(req.model)
-        serving.check_token_ids(req.tokens, "tokens")
-        tokenizer = serving.tokenizer()
-        return {"prompt": tokenizer.decode(req.tokens)}
+        return state.tokenization.detokenize(req)
 
     app.include_router(open_routes)
     app.include_router(api)

@@ -23,15 +23,15 @@ from typing import Any
 from fleetllm.api.contract import ANNOTATION_APPLIED, child_names
 from fleetllm.api.deployment import API_VERSION, KIND, LLMDEPLOYMENTS, LLMDeployment
 from fleetllm.api.manifests import parse_llmdeployment
-from fleetllm.kube import (
+from fleetllm.kube.client import KubeClient
+from fleetllm.kube.errors import ApiError
+from fleetllm.kube.resources import (
     CONFIGMAPS,
     DEPLOYMENTS,
     HORIZONTALPODAUTOSCALERS,
     PERSISTENTVOLUMECLAIMS,
     PODDISRUPTIONBUDGETS,
     SERVICES,
-    ApiError,
-    KubeClient,
     Resource,
 )
 from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig

@@ -34,7 +34,9 @@ import aiohttp
 from fleetllm.api.contract import ENGINE_PORT, PORT_NAME, selector_string
 from fleetllm.api.deployment import LLMDEPLOYMENTS
 from fleetllm.api.manifests import parse_llmdeployment
-from fleetllm.kube import PODS, ApiError, KubeClient
+from fleetllm.kube.client import KubeClient
+from fleetllm.kube.errors import ApiError
+from fleetllm.kube.resources import PODS
 from fleetllm.operator.autoscale import Autoscaler, Decision, LawSettings, Observation
 from fleetllm.scrape import scrape_all
 

@@ -209,7 +209,9 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from fleetllm.kube import SECRETS, KubeClient, load_credentials
+    from fleetllm.kube.client import KubeClient
+    from fleetllm.kube.login import load_credentials
+    from fleetllm.kube.resources import SECRETS
     from fleetllm.router.auth import keys_from_secret
     from fleetllm.router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
     from fleetllm.router.server import Router

@@ -32,7 +32,9 @@ from pydantic import ValidationError
 from fleetllm.api.contract import LABEL_MANAGED_BY, MANAGER, PORT_NAME, child_names
 from fleetllm.api.deployment import GROUP, KIND, LLMDEPLOYMENTS, RoutingSpec
 from fleetllm.api.manifests import format_validation_error
-from fleetllm.kube import ENDPOINTSLICES, SERVICES, Backoff, KubeClient, Resource, Resync
+from fleetllm.kube.client import KubeClient
+from fleetllm.kube.resources import ENDPOINTSLICES, SERVICES, Resource
+from fleetllm.kube.watch import Backoff, Resync
 
 log = logging.getLogger("fleetllm.router")
 

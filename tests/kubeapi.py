@@ -22,6 +22,8 @@ what our clients rely on from a real API server (kmock 0.8 lacks it):
   schemas (strict), LLMDeployments against the generated CRD schema; invalid writes get 422
   and are recorded, and the test fails.
 It has no garbage collector and no controllers: tests play the Deployment controller.
+What it does to objects (selectors, merge patches, schema validation) is in kubeobjects.py;
+kubeconfigs and an exec credential plugin to log in with are in kubelogin.py.
 """
 
 from __future__ import annotations
@@ -30,14 +32,10 @@ import asyncio
 import collections
 import contextlib
 import copy
-import datetime
-import json
 import secrets
 import ssl
-import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp.test_utils
@@ -45,64 +43,14 @@ import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
-import kubernetes_validate
 import pytest
 from kmock._internal import apps, rendering
-from openapi_schema_validator import OAS30Validator
+from kubeobjects import Schemas, merge, now, parse_selector, selected, status_object
 
 from fleetllm.api.deployment import GROUP, KIND, PLURAL, VERSION
-from fleetllm.operator.crd import openapi_schema
 
 NAMESPACE = "default"
 CR_RESOURCE = f"{GROUP}/{VERSION}/{PLURAL}"
-KUBERNETES_VERSIONS = ("1.30", "1.37")
-VALIDATED_GROUPS = {"", "apps", "policy", "autoscaling"}
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _status(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Status",
-        "metadata": {},
-        "status": "Failure",
-        "code": code,
-        "reason": reason,
-        "message": message,
-    }
-
-
-def _parse_selector(text: str) -> list[tuple[str, str, str | None]]:
-    """(operator, key, value) terms of an equality-based label selector."""
-    terms: list[tuple[str, str, str | None]] = []
-    for raw in filter(None, (t.strip() for t in text.split(","))):
-        if "!=" in raw:
-            key, value = raw.split("!=", 1)
-            terms.append(("!=", key.strip(), value.strip()))
-        elif "=" in raw:
-            key, value = raw.replace("==", "=").split("=", 1)
-            terms.append(("=", key.strip(), value.strip()))
-        elif raw.startswith("!"):
-            terms.append(("!", raw[1:].strip(), None))
-        else:
-            terms.append(("exists", raw, None))
-    return terms
-
-
-def _selected(terms: list[tuple[str, str, str | None]], obj: dict[str, Any]) -> bool:
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    for op, key, value in terms:
-        if (
-            (op == "=" and labels.get(key) != value)
-            or (op == "!=" and labels.get(key) == value)
-            or (op == "!" and key in labels)
-            or (op == "exists" and key not in labels)
-        ):
-            return False
-    return True
 
 
 @attrs.define(kw_only=True)
@@ -124,7 +72,9 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         factory=lambda: collections.defaultdict(list), init=False
     )
     _pages: dict[str, tuple[int, list[dict[str, Any]]]] = attrs.field(factory=dict, init=False)
-    _cr_validator: Any = attrs.field(factory=lambda: OAS30Validator(openapi_schema()), init=False)
+    _schemas: Schemas = attrs.field(
+        factory=lambda: Schemas(kmock.resource(CR_RESOURCE)), init=False
+    )
 
     # -- dispatch ------------------------------------------------------------------------
 
@@ -135,32 +85,35 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
             f"Bearer {t}" for t in self.accept_tokens
         }:
             return aiohttp.web.json_response(
-                _status(401, "Unauthorized", "Unauthorized"), status=401
+                status_object(401, "Unauthorized", "Unauthorized"), status=401
             )
         if self.fail_watches > 0 and request.action == kmock.action.WATCH:
             self.fail_watches -= 1
             return aiohttp.web.json_response(
-                _status(500, "InternalError", "injected failure"), status=500
+                status_object(500, "InternalError", "injected failure"), status=500
             )
         if request.resource is not None and request.subresource == "scale":
-            try:
-                async with self._lock:
-                    status, obj = await self._scale(request)
-            except kmock.KubernetesError as exc:
-                return await self._render_error(exc)
-            return aiohttp.web.json_response(obj, status=status)
+            return await self._answer(self._scale, request)
         if request.resource is not None and request.action in (
             kmock.action.CREATE,
             kmock.action.UPDATE,
             kmock.action.DELETE,
         ):
-            try:
-                async with self._lock:
-                    status, obj = await self._mutate(request)
-            except kmock.KubernetesError as exc:
-                return await self._render_error(exc)
-            return aiohttp.web.json_response(obj, status=status)
+            return await self._answer(self._mutate, request)
         return await apps.RawHandler._handle(self, request)
+
+    async def _answer(
+        self,
+        write: Callable[[rendering.Request], Awaitable[tuple[int, dict[str, Any]]]],
+        request: rendering.Request,
+    ) -> Any:
+        """One write, under the lock that keeps resourceVersions and watches in order."""
+        try:
+            async with self._lock:
+                status, obj = await write(request)
+        except kmock.KubernetesError as exc:
+            return await self._render_error(exc)
+        return aiohttp.web.json_response(obj, status=status)
 
     # -- state changes -------------------------------------------------------------------
 
@@ -174,15 +127,7 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         await self._buses[resource].put(event)
 
     def _validate(self, resource: Any, obj: dict[str, Any]) -> None:
-        problems: list[str] = []
-        if resource == kmock.resource(CR_RESOURCE):
-            problems += [f"{e.json_path}: {e.message}" for e in self._cr_validator.iter_errors(obj)]
-        elif resource.group in VALIDATED_GROUPS:
-            for version in KUBERNETES_VERSIONS:
-                try:
-                    kubernetes_validate.validate(obj, version, strict=True)
-                except kubernetes_validate.ValidationError as exc:
-                    problems.append(f"{version}: {'.'.join(map(str, exc.path))}: {exc.message}")
+        problems = self._schemas.problems(resource, obj)
         if problems:
             where = f"{obj.get('kind')} {obj.get('metadata', {}).get('name')}"
             self.validation_errors.extend(f"{where}: {p}" for p in problems)
@@ -214,7 +159,7 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
             uid=str(uuid.uuid4()),
             resourceVersion=self._next_rv(),
             generation=1,
-            creationTimestamp=_now(),
+            creationTimestamp=now(),
         )
         meta.pop("generateName", None)
         self._validate(resource, obj)
@@ -246,7 +191,7 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         old = copy.deepcopy(self._objects[key].raw)
         if request.action == kmock.action.DELETE:
             if old["metadata"].get("finalizers"):
-                old["metadata"].setdefault("deletionTimestamp", _now())
+                old["metadata"].setdefault("deletionTimestamp", now())
                 old["metadata"]["resourceVersion"] = self._next_rv()
                 self._objects[key].history.append(old)
                 await self._emit(resource, "MODIFIED", old)
@@ -270,7 +215,7 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
                 patch = {"status": patch.get("status")}
             elif request.subresource is None and self._has_status_subresource(resource):
                 patch.pop("status", None)
-            new = _merge(old, patch)
+            new = merge(old, patch)
         return await self._store(key, old, new)
 
     async def _store(
@@ -349,7 +294,7 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         return (
             (request.namespace is None or meta.get("namespace") == request.namespace)
             and (request.name is None or meta.get("name") == request.name)
-            and _selected(_parse_selector(request.params.get("labelSelector", "")), obj)
+            and selected(parse_selector(request.params.get("labelSelector", "")), obj)
         )
 
     def _current(self, request: rendering.Request) -> list[dict[str, Any]]:
@@ -391,7 +336,7 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         timeout = float(request.params.get("timeoutSeconds") or 3600)
         async with self._lock:
             if since and since != "0" and int(since) < self._compacted:
-                yield {"type": "ERROR", "object": _status(410, "Expired", "too old")}
+                yield {"type": "ERROR", "object": status_object(410, "Expired", "too old")}
                 return
             marker = await bus.mark()
             if since and since != "0":
@@ -476,18 +421,6 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         ]
 
 
-def _merge(old: Any, patch: Any) -> Any:
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = copy.deepcopy(old) if isinstance(old, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = _merge(result.get(key), value)
-    return result
-
-
 class _TLSTestServer(aiohttp.test_utils.RawTestServer):
     def __init__(self, handler: Any, *, ssl_context: ssl.SSLContext, **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
@@ -541,69 +474,3 @@ async def emulated_api(
         # API errors (404 on a read, 409, 422) are answers; anything else is an emulator bug.
         crashes = [e for e in server.errors if not isinstance(e, kmock.KubernetesError)]
         assert not crashes, crashes
-
-
-def kubeconfig_for(server: str, user: dict[str, Any] | None = None) -> str:
-    """A kubeconfig (YAML) with one context for `server` and the given user section."""
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "emu", "cluster": {"server": server}}],
-        "users": [{"name": "user", "user": user or {}}],
-        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "user"}}],
-        "current-context": "emu",
-    }
-    return json.dumps(doc)
-
-
-EXEC_API_VERSION = "client.authentication.k8s.io/v1beta1"
-_PLUGIN = """\
-import json, pathlib, sys
-
-token, runs = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-with runs.open("a") as f:
-    f.write("run\\n")
-status = {"token": token.read_text().strip()}
-expiry = token.with_suffix(".expiry")
-if expiry.exists():
-    status["expirationTimestamp"] = expiry.read_text().strip()
-print(json.dumps({"apiVersion": "%s", "kind": "ExecCredential", "status": status}))
-"""
-
-
-class ExecPlugin:
-    """An exec credential plugin, as EKS's `aws eks get-token` or GKE's
-    `gke-gcloud-auth-plugin`: a program that prints an ExecCredential with the token of the
-    moment (`issue` sets it) and counts its runs."""
-
-    def __init__(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.script = directory / "credential-plugin.py"
-        self.script.write_text(_PLUGIN % EXEC_API_VERSION)
-        self.token_file = directory / "token"
-        self.runs_file = directory / "runs"
-        self.runs_file.write_text("")
-
-    def issue(self, token: str, expires: datetime.datetime | None = None) -> None:
-        self.token_file.write_text(token)
-        expiry = self.token_file.with_suffix(".expiry")
-        if expires is None:
-            expiry.unlink(missing_ok=True)
-        else:
-            expiry.write_text(expires.strftime("%Y-%m-%dT%H:%M:%SZ"))
-
-    @property
-    def runs(self) -> int:
-        return len(self.runs_file.read_text().splitlines())
-
-    @property
-    def user(self) -> dict[str, Any]:
-        """The kubeconfig user section that runs it."""
-        return {
-            "exec": {
-                "apiVersion": EXEC_API_VERSION,
-                "command": sys.executable,
-                "args": [str(self.script), str(self.token_file), str(self.runs_file)],
-                "interactiveMode": "Never",
-            }
-        }

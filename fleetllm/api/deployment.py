@@ -18,7 +18,7 @@ from fleetllm.api.catalog import GPU_PROFILES, GPU_TYPES
 from fleetllm.api.quantity import QUANTITY_PATTERN, Quantity
 from fleetllm.api.scaling import ScalingSpec
 from fleetllm.api.source import SOURCE_PATTERN
-from fleetllm.kube import Resource
+from fleetllm.kube.resources import Resource
 
 GROUP = "fleetllm.io"
 VERSION = "v1alpha1"

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kubeapi import ExecPlugin, kubeconfig_for
+from kubelogin import ExecPlugin, kubeconfig_for
 
-from fleetllm.kube import LoginError, load_credentials
+from fleetllm.kube.login import LoginError, load_credentials
 
 
 def test_login_errors_say_what_is_missing(tmp_path: Path) -> None:

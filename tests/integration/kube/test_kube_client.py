@@ -18,27 +18,17 @@ import kmock
 import pytest
 import pytest_asyncio
 import trustme
-from kubeapi import (
-    CR_RESOURCE,
-    EmulatedApiServer,
-    ExecPlugin,
-    emulated_api,
-    eventually,
-    kubeconfig_for,
-)
+from kubeapi import CR_RESOURCE, EmulatedApiServer, emulated_api, eventually
+from kubelogin import ExecPlugin, kubeconfig_for
 
-from fleetllm import kube
 from fleetllm.api.deployment import API_VERSION, KIND, LLMDEPLOYMENTS
-from fleetllm.kube import (
-    CONFIGMAPS,
-    DEPLOYMENTS,
-    ApiError,
-    Backoff,
-    KubeClient,
-    Resync,
-    WatchEvent,
-    load_credentials,
-)
+from fleetllm.kube import login
+from fleetllm.kube.client import KubeClient
+from fleetllm.kube.errors import ApiError
+from fleetllm.kube.events import EVENT_MESSAGE_LIMIT
+from fleetllm.kube.login import load_credentials
+from fleetllm.kube.resources import CONFIGMAPS, DEPLOYMENTS
+from fleetllm.kube.watch import Backoff, Resync, WatchEvent
 
 pytestmark = [
     pytest.mark.asyncio,
@@ -114,7 +104,7 @@ async def test_exec_plugin_token_reaches_the_server_and_is_renewed_after_401(
 async def test_exec_plugin_token_is_renewed_before_it_expires(
     api: EmulatedApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kube, "EXPIRY_MARGIN_SECONDS", 58.0)
+    monkeypatch.setattr(login, "EXPIRY_MARGIN_SECONDS", 58.0)
     plugin = ExecPlugin(tmp_path / "plugin")
     expiry = datetime.datetime.now(datetime.UTC).replace(microsecond=0) + datetime.timedelta(
         seconds=60
@@ -148,7 +138,7 @@ async def test_in_cluster_service_account_over_tls(
     ca.cert_pem.write_to_path(str(account / "ca.crt"))
     (account / "token").write_text("sa-token-1")
     (account / "namespace").write_text("team-a\n")
-    monkeypatch.setattr(kube, "TOKEN_FILE_RELOAD_SECONDS", 0.5)
+    monkeypatch.setattr(login, "TOKEN_FILE_RELOAD_SECONDS", 0.5)
 
     async with emulated_api(ssl_context=server_context, accept_tokens={"sa-token-1"}) as api:
         environ = {
@@ -390,4 +380,4 @@ async def test_writes_scale_status_and_events(api: EmulatedApiServer, tmp_path: 
         assert event["involvedObject"]["uid"] == body["metadata"]["uid"]
         assert event["involvedObject"]["kind"] == KIND
         assert (event["reason"], event["type"]) == ("Scaled", "Normal")
-        assert len(event["message"]) == kube.EVENT_MESSAGE_LIMIT
+        assert len(event["message"]) == EVENT_MESSAGE_LIMIT

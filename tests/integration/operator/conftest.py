@@ -16,12 +16,14 @@ from typing import Any
 import kopf
 import pytest
 import pytest_asyncio
-from kubeapi import NAMESPACE, EmulatedApiServer, emulated_api, kubeconfig_for
+from kubeapi import NAMESPACE, EmulatedApiServer, emulated_api
 from kubeapi import eventually as eventually_
+from kubelogin import kubeconfig_for
 from operator_testkit import Controllers, Load
 
 from fleetllm.api.deployment import KIND
-from fleetllm.kube import Credentials, KubeClient, load_credentials
+from fleetllm.kube.client import KubeClient
+from fleetllm.kube.login import Credentials, load_credentials
 from fleetllm.operator.handlers import OperatorState, build_registry, make_settings
 
 

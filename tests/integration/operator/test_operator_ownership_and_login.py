@@ -8,7 +8,7 @@ from typing import Any
 
 import kmock
 import pytest
-from kubeapi import ExecPlugin, kubeconfig_for
+from kubelogin import ExecPlugin, kubeconfig_for
 
 from fleetllm.api.deployment import API_VERSION, KIND
 

@@ -33,7 +33,8 @@ import kmock
 import pytest
 from helmchart import NAMESPACE as RELEASE_NAMESPACE
 from helmchart import by_kind, render
-from kubeapi import EmulatedApiServer, kubeconfig_for
+from kubeapi import EmulatedApiServer
+from kubelogin import kubeconfig_for
 from local_services import free_port, stop_process
 from operator_testkit import Load
 from rbac import Attributes, Grant, allows, attributes, grants, wildcards

@@ -19,7 +19,8 @@ from openapi_schema_validator import OAS30Validator
 from operator_testkit import DEPLOYMENTS, MODEL, Load
 
 from fleetllm.api.deployment import API_VERSION, KIND
-from fleetllm.kube import KubeClient, load_credentials
+from fleetllm.kube.client import KubeClient
+from fleetllm.kube.login import load_credentials
 from fleetllm.operator.scaler import FIELD_MANAGER, POD_DELETION_COST
 from fleetllm.router.discovery import KubernetesDiscovery, ModelRoute
 

@@ -21,7 +21,8 @@ import httpx
 import kmock
 import pytest
 import pytest_asyncio
-from kubeapi import CR_RESOURCE, EmulatedApiServer, emulated_api, kubeconfig_for
+from kubeapi import CR_RESOURCE, EmulatedApiServer, emulated_api
+from kubelogin import kubeconfig_for
 from router_testkit import EngineFleet, Process, async_wait_until, metric_sum
 
 from fleetllm.api.contract import LABEL_MANAGED_BY, LABEL_MODEL, MANAGER

@@ -31,9 +31,9 @@ import kopf
 from fleetllm.api.contract import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER
 from fleetllm.api.deployment import GROUP, KIND, PLURAL, VERSION
 from fleetllm.kube import ApiError, KubeClient, LoginError, load_credentials
-from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.operator.reconciler import CHILD_RESOURCES, Reconciler
 from fleetllm.operator.scaler import Scaler
+from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
 
 logger = logging.getLogger("fleetllm.operator")
 

@@ -223,7 +223,7 @@ def test_the_control_plane_commands_run_without_the_engines_dependencies(tmp_pat
     code = (
         "import sys\n"
         "from fleetllm.cli import build_parser\n"
-        "import fleetllm.operator.handlers, fleetllm.router.server, fleetllm.engine.pull\n"
+        "import fleetllm.operator.handlers, fleetllm.router.server, fleetllm.weights.pull\n"
         "from fleetllm.cli import main\n"
         "for argv in (['operator', 'run', '--help'], ['router', 'serve', '--help'],\n"
         "             ['model', 'pull', '--help'], ['crds']):\n"

@@ -1,5 +1,5 @@
 """What one rank of the builtin engine holds, in bytes: its KV cache per token and its weights,
-from the model's shape, the dtype's size and the quantization.
+from the model's shape (the catalog's `ModelArch`), the dtype's size and the quantization.
 
 No torch here: the planner sizes a replica with these formulas before any engine exists, and
 the engine's own allocation reads the same constants (`kv_cache`, `quantization`, `loader`), so
@@ -9,7 +9,7 @@ shards and measure them against these formulas.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from fleetllm.api.catalog import ModelArch
 
 KV_SCALE_BYTES = 4
 """A quantized KV cache (int8, fp8) keeps one float32 scale per token and KV head beside the
@@ -46,23 +46,8 @@ def kv_bytes_per_token(
     return 2 * num_layers * num_kv_heads * per_head
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a Llama-family model that decide what its weights take."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    intermediate_size: int
-    tied_embeddings: bool
-    qkv_bias: bool = False
-
-
 def weight_bytes_per_rank(
-    shape: ModelShape, *, tensor: int, dtype_bytes: int, quantization: str | None, packed: bool
+    arch: ModelArch, *, tensor: int, dtype_bytes: int, quantization: str | None, packed: bool
 ) -> int:
     """Weight bytes one of `tensor` ranks holds: its share of every projection (heads and MLP
     split evenly), of the vocabulary (ceil(vocab / tensor) rows of the embedding and of an
@@ -71,23 +56,25 @@ def weight_bytes_per_rank(
     int8 a scale and an offset per `int8_group` of a row, fp8 a scale per row. `packed`: the
     linears are reordered for oneDNN (`packs_linears`), so a tied head is a matrix of its
     own."""
-    hidden, head_dim, layers = shape.hidden_size, shape.head_dim, shape.num_layers
-    qkv_rows = (shape.num_heads + 2 * shape.num_kv_heads) // tensor * head_dim
-    mlp = shape.intermediate_size // tensor
+    if arch.intermediate_size is None:
+        raise ValueError(f"{arch.name}: the MLP's shape needs an intermediate size")
+    hidden, head_dim, layers = arch.hidden_size, arch.head_dim, arch.num_layers
+    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) // tensor * head_dim
+    mlp = arch.intermediate_size // tensor
     # (rows, columns) of each matrix of a layer: qkv, o, gate+up, down.
     layer = [
         (qkv_rows, hidden),
-        (hidden, shape.num_heads // tensor * head_dim),
+        (hidden, arch.num_heads // tensor * head_dim),
         (2 * mlp, hidden),
         (hidden, mlp),
     ]
-    vocab_rows = -(-shape.vocab_size // tensor)
+    vocab_rows = -(-arch.vocab_size // tensor)
     matrices = [*layer * layers, (vocab_rows, hidden)]
-    if not shape.tied_embeddings or packed:
+    if not arch.tied_embeddings or packed:
         matrices.append((vocab_rows, hidden))
     values = sum(rows * cols for rows, cols in matrices)
     norms = (2 * layers + 1) * hidden
-    bias = layers * qkv_rows if shape.qkv_bias else 0
+    bias = layers * qkv_rows if arch.qkv_bias else 0
     unquantized = (norms + bias) * dtype_bytes
     if quantization is None:
         return values * dtype_bytes + unquantized

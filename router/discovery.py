@@ -33,6 +33,7 @@ from fleetllm.api.contract import LABEL_MANAGED_BY, MANAGER, PORT_NAME, child_na
 from fleetllm.api.deployment import GROUP, KIND, LLMDEPLOYMENTS, RoutingSpec
 from fleetllm.api.manifests import format_validation_error
 from fleetllm.kube import ENDPOINTSLICES, SERVICES, Backoff, KubeClient, Resource, Resync
+from fleetllm.textfile import read_text
 
 log = logging.getLogger("fleetllm.router")
 
@@ -152,12 +153,7 @@ def parse_static_fleet(doc: Any, where: str = "fleet") -> dict[str, ModelRoute]:
 
 
 def load_static_fleet(path: Path) -> dict[str, ModelRoute]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read: {exc}") from None
+    text = read_text(path)
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -120,20 +120,9 @@ def builtin_weight_bytes(
     are split evenly instead."""
     if arch.intermediate_size is None:
         return math.ceil(weight_bytes(arch, weights, dtype) / tensor)
-    shape = sizing.ModelShape(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        num_heads=arch.num_heads,
-        num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
-        vocab_size=arch.vocab_size,
-        intermediate_size=arch.intermediate_size,
-        tied_embeddings=arch.tied_embeddings,
-        qkv_bias=arch.qkv_bias,
-    )
     quantization = None if weights == "none" else weights
     return sizing.weight_bytes_per_rank(
-        shape,
+        arch,
         tensor=tensor,
         dtype_bytes=DTYPE_BYTES[dtype],
         quantization=quantization,

@@ -51,13 +51,15 @@ def engine_formulas(
     """(weight bytes, KV bytes per token) of one rank by `fleetllm.engine.sizing`, from the
     checkpoint's own config as the engine reads it."""
     cfg = ModelConfig.from_pretrained(model_dir)
-    shape = sizing.ModelShape(
+    arch = ModelArch(
+        name=model_dir.name,
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         vocab_size=cfg.vocab_size,
+        max_position=cfg.max_position_embeddings,
         intermediate_size=cfg.intermediate_size,
         tied_embeddings=cfg.tie_word_embeddings,
         qkv_bias=cfg.qkv_bias,
@@ -69,7 +71,7 @@ def engine_formulas(
         getattr(torch, dtype), torch.device("cpu")
     )
     weights_bytes = sizing.weight_bytes_per_rank(
-        shape, tensor=size, dtype_bytes=dtype_bytes, quantization=quantization, packed=packed
+        arch, tensor=size, dtype_bytes=dtype_bytes, quantization=quantization, packed=packed
     )
     kv_bytes = sizing.kv_bytes_per_token(
         num_layers=cfg.num_layers,

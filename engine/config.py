@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fleetllm.engine import cpu_features
+from fleetllm.engine import cpu_features, sizing
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -126,9 +126,14 @@ class ModelConfig:
         return cls.from_dict(data)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V for one token across all layers."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes of K and V for one token across all layers, in an unquantized cache."""
+        return sizing.kv_bytes_per_token(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            kv_cache_dtype="auto",
+            dtype_bytes=dtype.itemsize,
+        )
 
 
 def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> tuple[torch.dtype, str]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fleetllm.engine import kv_cache
+from fleetllm.engine import kv_cache, sizing
 from fleetllm.engine.block_manager import KVCacheManager
 from fleetllm.engine.config import EngineConfig, ModelConfig, SpeculativeConfig, resolve_dtype
 from fleetllm.engine.executor import LocalExecutor, MultiprocExecutor, WorkerFailedError
@@ -572,12 +572,12 @@ class LLMEngine:
     def _blocks_from_budget(self) -> int:
         free = self.executor.free_memory_per_rank()
         cfg, tp = self.model_config, self.config.tensor_parallel_size
-        per_token = kv_cache.bytes_per_token(
-            cfg.num_layers,
-            cfg.num_kv_heads // tp,
-            cfg.head_dim,
-            self.config.kv_cache_dtype,
-            self.dtype,
+        per_token = sizing.kv_bytes_per_token(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads // tp,
+            head_dim=cfg.head_dim,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            dtype_bytes=self.dtype.itemsize,
         )
         per_block = self.config.block_size * per_token
         budget_blocks = int(free * self.config.kv_cache_memory_fraction) // per_block

@@ -18,6 +18,7 @@ import torch
 
 from fleetllm.engine.config import KV_CACHE_DTYPES
 
+# float32: the planner counts sizing.KV_SCALE_BYTES per token and KV head for it.
 SCALE_DTYPE = torch.float32
 _QUANTIZED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # The largest magnitude each storage type represents (fp8 e4m3: 448).
@@ -82,17 +83,6 @@ def fp8_supported(device: torch.device) -> bool:
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def bytes_per_token(
-    num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str, dtype: torch.dtype
-) -> int:
-    """Bytes of K and V of one token, all layers, for a rank holding `num_kv_heads` heads."""
-    if kv_cache_dtype == "auto":
-        per_head = head_dim * torch.empty((), dtype=dtype).element_size()
-    else:
-        per_head = head_dim * 1 + torch.empty((), dtype=SCALE_DTYPE).element_size()
-    return 2 * num_layers * num_kv_heads * per_head
 
 
 def allocate(

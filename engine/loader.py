@@ -51,8 +51,8 @@ def load_model(
     """`batch_hint`: the usual number of rows per forward (the decode batch), for kernels that
     lay their weights out for a batch size. `load_format="dummy"` (vLLM's name) reads no
     checkpoint: the weights are random, for benchmarks of a model's shapes. `tp`: this rank's
-    shard (default: all of it). `pack`: reorder half-precision linears for the CPU (off when
-    another format replaces them)."""
+    shard (default: all of it). `pack`: reorder the linears for oneDNN where it runs `dtype`
+    (`sizing.packs_linears` says when: on a CPU, unless quantization replaces them)."""
     tp = tp or TensorParallel()
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions, tp)

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import platformdirs
 
+from fleetllm.api.source import ModelSource
 from fleetllm.engine.gguf_convert import CONVERTER_VERSION, convert_gguf
 
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "FLEETLLM_CACHE_DIR"
-BUILTIN_SCHEME = "builtin://"
 
 
 class ModelResolutionError(ValueError):
@@ -46,7 +46,7 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
 
 _ACCEPTED = (
     "accepted: "
-    + ", ".join(f"{name!r} (or '{BUILTIN_SCHEME}{name}')" for name in BUILTIN_MODELS)
+    + ", ".join(f"{name!r} (or 'builtin://{name}')" for name in BUILTIN_MODELS)
     + ", a local directory with config.json, or a local .gguf file"
 )
 
@@ -67,23 +67,11 @@ def resolve_model(
     reference = model.strip()
     if not reference:
         raise ModelResolutionError(f"empty model reference; {_ACCEPTED}")
-    alias = reference.removeprefix(BUILTIN_SCHEME).lower()
+    if "://" in reference:
+        return _from_source(reference, cache_dir, on_progress)
+    alias = reference.lower()
     if alias in BUILTIN_MODELS:
         return _converted(builtin_gguf(alias), cache_dir, on_progress)
-    if reference.startswith(BUILTIN_SCHEME):
-        raise ModelResolutionError(
-            f"unknown built-in model {reference!r}; built-in models: {', '.join(BUILTIN_MODELS)}"
-        )
-    if reference.startswith(("hf://", "s3://")):
-        raise ModelResolutionError(
-            f"model {reference!r}: the engine loads local folders; fetch it first with "
-            f"`fleetllm model pull {reference} DIR` and pass --model DIR ({_ACCEPTED})"
-        )
-    if "://" in reference:
-        raise ModelResolutionError(
-            f"model {reference!r}: remote references are not supported; {_ACCEPTED}"
-        )
-
     path = Path(reference).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -97,6 +85,32 @@ def resolve_model(
         raise ModelResolutionError(f"model file {reference!r} is not a .gguf file; {_ACCEPTED}")
     raise ModelResolutionError(
         f"model {reference!r} is neither a built-in model nor an existing path; {_ACCEPTED}"
+    )
+
+
+def _from_source(
+    reference: str, cache_dir: Path | None, on_progress: Callable[[int, int], None] | None
+) -> Path:
+    """A model source (`spec.model.source`): the engine loads a built-in one; hf:// and s3://
+    weights are pulled into a folder first."""
+    try:
+        source = ModelSource.parse(reference)
+    except ValueError:
+        source = None
+    if source is not None and source.scheme == "builtin":
+        if source.location not in BUILTIN_MODELS:
+            raise ModelResolutionError(
+                f"unknown built-in model {reference!r}; built-in models: "
+                f"{', '.join(BUILTIN_MODELS)}"
+            )
+        return _converted(builtin_gguf(source.location), cache_dir, on_progress)
+    if source is not None and source.downloaded:
+        raise ModelResolutionError(
+            f"model {reference!r}: the engine loads local folders; fetch it first with "
+            f"`fleetllm model pull {reference} DIR` and pass --model DIR ({_ACCEPTED})"
+        )
+    raise ModelResolutionError(
+        f"model {reference!r}: remote references are not supported; {_ACCEPTED}"
     )
 
 

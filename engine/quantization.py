@@ -1,8 +1,8 @@
 """Weight-only quantization: int8 everywhere, fp8 (e4m3) on GPUs that have it.
 
 Each weight matrix is stored in one byte per value; activations stay in the model dtype.
-- int8: a scale and an offset per group of `INT8_GROUP` inputs of each output channel
-  (asymmetric: the group's minimum maps onto -128, its maximum onto 127), both in 16 bits.
+- int8: a scale and an offset per group of `sizing.INT8_GROUP` (32) inputs of each output
+  channel (asymmetric: the group's minimum maps onto -128, its maximum onto 127), both in 16 bits.
   A scale per whole row adds a rounding step as wide as the row's largest value to every small
   weight, enough to flip several percent of a small model's next tokens; per group of 32 the
   step follows the local range (and GGUF's 4- and 8-bit block formats, blocks of 32, come back
@@ -27,8 +27,8 @@ from torch import nn
 from fleetllm.engine.config import QUANTIZATION_METHODS
 from fleetllm.engine.kv_cache import fp8_supported
 from fleetllm.engine.model import LlamaForCausalLM, VocabParallelEmbedding
+from fleetllm.engine.sizing import int8_group
 
-INT8_GROUP = 32
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = float(torch.finfo(_FP8).max)
 _INF = torch.tensor(float("inf"))
@@ -50,12 +50,9 @@ def check_quantization(method: str | None, device: torch.device) -> None:
 
 
 def scale_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The 16-bit type of the scales and offsets of a model in `dtype`."""
+    """The 16-bit type (sizing.WEIGHT_SCALE_BYTES) of the scales and offsets of a model in
+    `dtype`."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
-
-
-def int8_group(columns: int) -> int:
-    return INT8_GROUP if columns % INT8_GROUP == 0 else columns
 
 
 @dataclass(frozen=True)

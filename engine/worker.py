@@ -37,6 +37,7 @@ from fleetllm.engine.model import LlamaForCausalLM
 from fleetllm.engine.model_runner import ModelRunner
 from fleetllm.engine.parallel import TensorParallel
 from fleetllm.engine.quantization import quantize_model, weight_bytes
+from fleetllm.engine.sizing import packs_linears
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def load_shard(spec: WorkerSpec, tp: TensorParallel, device: torch.device) -> Ll
         spec.batch_hint,
         spec.load_format,
         tp=tp,
-        pack=spec.quantization is None,
+        pack=packs_linears(device.type, spec.quantization),
     )
     if spec.quantization is not None:
         quantize_model(model, spec.quantization)

@@ -13,11 +13,13 @@ def build_parser() -> argparse.ArgumentParser:
     from fleetllm.local import cli as local_cli
     from fleetllm.operator import cli as operator_cli
     from fleetllm.router import cli as router_cli
+    from fleetllm.weights import cli as weights_cli
 
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fleetllm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     engine_cli.register(sub)
+    weights_cli.register(sub)
     operator_cli.register(sub)
     router_cli.register(sub)
     local_cli.register(sub)

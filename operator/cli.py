@@ -11,13 +11,15 @@ from typing import Any
 
 import yaml
 
-from fleetllm.api.catalog import GIB, GPU_PROFILES
+from fleetllm.api.catalog import GPU_PROFILES
 from fleetllm.api.deployment import NAME_PATTERN, LLMDeployment
 from fleetllm.api.manifests import load_llmdeployments
-from fleetllm.operator.config import ModelCache, OperatorConfig
 from fleetllm.operator.crd import crd_yaml, reference_markdown
-from fleetllm.operator.planner import Plan, PlanError, plan
 from fleetllm.operator.render import render
+from fleetllm.planner.errors import PlanError
+from fleetllm.planner.plan import Plan, plan
+from fleetllm.planner.settings import ModelCache, OperatorConfig
+from fleetllm.planner.summary import plan_summary
 
 
 class _LiteralDumper(yaml.SafeDumper):
@@ -192,48 +194,6 @@ def _plan_record(cr: LLMDeployment, result: Plan | PlanError) -> dict[str, Any]:
             "command": list(result.command),
         }
     return record
-
-
-def plan_summary(cr: LLMDeployment, result: Plan | PlanError) -> str:
-    """What `fleetllm plan` prints for one LLMDeployment: its plan, or why it is refused."""
-    title = f"{cr.metadata.name} (model {cr.spec.model.name})"
-    if isinstance(result, PlanError):
-        return f"{title}: REFUSED ({result.reason})\n  {result.message}\n"
-    s = result.status
-    est = result.estimate
-    where = f"{s.gpu_count} x {s.gpu_type}" if s.gpu_count else "cpu"
-    budget = est.budget_bytes / GIB
-    rows = [
-        ("model", f"{result.arch.name}, {s.weights} weights, {s.dtype}"),
-        ("hardware", f"{where}, backend {s.backend} on {s.device}"),
-        (
-            "device memory",
-            f"{s.device_memory_gib:.2f} GiB, budget {budget:.2f} GiB "
-            f"({s.gpu_memory_utilization:.0%})",
-        ),
-        ("weights", f"{s.weights_gib:.2f} GiB per device"),
-        ("overhead", f"{s.overhead_gib:.2f} GiB per device (activations, runtime)"),
-        (
-            "KV cache",
-            f"{s.kv_cache_gib:.2f} GiB per device, {s.kv_cache_dtype}, "
-            f"{s.kv_bytes_per_token} bytes/token",
-        ),
-        (
-            "capacity",
-            f"{s.max_concurrent_tokens:,} tokens = {s.max_concurrent_sequences} "
-            f"x {s.max_model_len:,}-token sequences",
-        ),
-        (
-            "engine",
-            f"max_num_seqs {s.max_num_seqs}, max_num_batched_tokens "
-            f"{s.max_num_batched_tokens}, block {s.block_size}, {s.num_kv_blocks:,} blocks",
-        ),
-        ("image", s.image),
-        ("command", " ".join([*result.command, *s.engine_args])),
-    ]
-    width = max(len(label) for label, _ in rows)
-    lines = "".join(f"  {label:<{width}}  {value}\n" for label, value in rows)
-    return f"{title}: planned\n{lines}"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -33,9 +33,9 @@ from fleetllm.api.deployment import GROUP, KIND, PLURAL, VERSION
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.errors import ApiError
 from fleetllm.kube.login import LoginError, load_credentials
-from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.operator.reconciler import CHILD_RESOURCES, Reconciler
 from fleetllm.operator.scaler import Scaler
+from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
 
 logger = logging.getLogger("fleetllm.operator")
 

@@ -34,10 +34,12 @@ from fleetllm.kube.resources import (
     SERVICES,
     Resource,
 )
-from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
-from fleetllm.operator.planner import Plan, PlanError, claims_to_check, plan
 from fleetllm.operator.render import render
 from fleetllm.operator.status import Refusal, Transition, build_status
+from fleetllm.planner.checks import claims_to_check
+from fleetllm.planner.errors import PlanError
+from fleetllm.planner.plan import Plan, plan
+from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
 
 logger = logging.getLogger("fleetllm.operator")
 

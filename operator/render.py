@@ -26,10 +26,12 @@ from fleetllm.api.contract import (
 )
 from fleetllm.api.deployment import API_VERSION, KIND, LLMDeployment
 from fleetllm.api.scaling import ScalingSpec
+from fleetllm.images import CONTROL_PLANE_IMAGE
 from fleetllm.operator import drain_hook
-from fleetllm.operator.config import DEFAULT_CONFIG, OperatorConfig
-from fleetllm.operator.images import CONTROL_PLANE_IMAGE
-from fleetllm.operator.planner import MODEL_CACHE_MOUNT, MODEL_MOUNT, Plan
+from fleetllm.planner.placement import MODEL_CACHE_MOUNT, MODEL_MOUNT
+from fleetllm.planner.plan import Plan
+from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
+from fleetllm.planner.timing import download_seconds, startup_seconds
 from fleetllm.scrape import KV_USAGE, QUEUE_TIME
 
 CACHE_DIR = "/var/cache/fleetllm"
@@ -41,10 +43,6 @@ PRESTOP_SECONDS = 10
 # and its exit.
 EXIT_SECONDS = 15
 RUN_AS = 1000
-# Assumed floors for sizing timeouts: a download of at least 50 MiB/s, a load from the pod's
-# disk of at least 100 MiB/s.
-DOWNLOAD_SECONDS_PER_GIB = 20
-LOAD_SECONDS_PER_GIB = 10
 # The drain hook's source, passed inline: vLLM's image has python3 but not fleetllm.
 DRAIN_HOOK_SOURCE = Path(drain_hook.__file__).read_text(encoding="utf-8")
 
@@ -125,19 +123,6 @@ def render_pdb(cr: LLMDeployment) -> dict[str, Any]:
             "selector": {"matchLabels": selector_labels(cr.metadata.name)},
         },
     }
-
-
-def startup_seconds(plan: Plan) -> int:
-    """How long the engine may take to load the weights from the pod's disk (the startup
-    probe's budget; a download happens before, in the pull init container)."""
-    return 300 + LOAD_SECONDS_PER_GIB * math.ceil(plan.total_weights_bytes / GIB)
-
-
-def download_seconds(plan: Plan) -> int:
-    """How long the pull init container may take (0 when nothing is downloaded)."""
-    if not plan.source.downloaded:
-        return 0
-    return 120 + DOWNLOAD_SECONDS_PER_GIB * math.ceil(plan.total_weights_bytes / GIB)
 
 
 def termination_grace_seconds(plan: Plan) -> int:

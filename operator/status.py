@@ -12,7 +12,7 @@ from typing import Any
 from fleetllm.api.contract import endpoint, selector_string
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.api.status import Condition, LLMDeploymentStatus
-from fleetllm.operator.planner import Plan
+from fleetllm.planner.plan import Plan
 
 
 @dataclass(frozen=True)

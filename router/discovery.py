@@ -35,6 +35,7 @@ from fleetllm.api.manifests import format_validation_error
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.resources import ENDPOINTSLICES, SERVICES, Resource
 from fleetllm.kube.watch import Backoff, Resync
+from fleetllm.textfile import read_text
 
 log = logging.getLogger("fleetllm.router")
 
@@ -154,12 +155,7 @@ def parse_static_fleet(doc: Any, where: str = "fleet") -> dict[str, ModelRoute]:
 
 
 def load_static_fleet(path: Path) -> dict[str, ModelRoute]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read: {exc}") from None
+    text = read_text(path)
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -21,7 +21,7 @@ done
 python=${PYTHON:-.venv/bin/python}
 version=$("$python" -c 'from fleetllm.version import __version__; print(__version__)')
 # One "DOCKERFILE IMAGE" line per image this repository builds.
-images=$("$python" -m fleetllm.operator.images)
+images=$("$python" -m fleetllm.images)
 for wanted in "${only[@]}"; do
     grep -q " $wanted\$" <<< "$images" || { echo "build: $wanted is not built here" >&2; exit 2; }
 done

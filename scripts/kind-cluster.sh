@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 cluster=${CLUSTER:-fleetllm}
-images=$(.venv/bin/python -c 'from fleetllm.operator.images import CONTROL_PLANE_IMAGE, ENGINE_IMAGE
+images=$(.venv/bin/python -c 'from fleetllm.images import CONTROL_PLANE_IMAGE, ENGINE_IMAGE
 print(CONTROL_PLANE_IMAGE, ENGINE_IMAGE)')
 
 kind create cluster --name "$cluster"

@@ -1,5 +1,5 @@
-"""The fleet's contract: what the operator, the router, the local fleet and the engine's
-weights pull all read, so that none of them imports another's internals.
+"""The fleet's contract: what the operator, the router, the local fleet, the engine and the
+weights room all read, so that none of them imports another's internals.
 
 - `deployment`: the LLMDeployment custom resource as pydantic models (the CRD is generated
   from them), with `scaling` and `status` beside it;

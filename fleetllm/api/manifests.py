@@ -9,6 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from fleetllm.api.deployment import API_VERSION, KIND, LLMDeployment
+from fleetllm.textfile import read_text
 
 
 def format_validation_error(exc: ValidationError) -> str:
@@ -39,12 +40,7 @@ def parse_llmdeployment(doc: Any, where: str = "document") -> LLMDeployment:
 def load_llmdeployments(path: str | Path) -> list[LLMDeployment]:
     """Every LLMDeployment in a (multi-document) YAML file."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
-    except (IsADirectoryError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read: {exc}") from None
+    text = read_text(path)
     try:
         docs = [doc for doc in yaml.safe_load_all(text) if doc is not None]
     except yaml.YAMLError as exc:

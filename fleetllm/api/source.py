@@ -41,6 +41,26 @@ class ModelSource(BaseModel):
         return cls(scheme=scheme, location=rest)  # type: ignore[arg-type]
 
     @property
+    def uri(self) -> str:
+        """The source written out in its canonical form (what `parse` reads back)."""
+        uri = f"{self.scheme}://{self.location}"
+        if self.path:
+            uri += f"/{self.path}"
+        return f"{uri}@{self.revision}" if self.revision else uri
+
+    @property
+    def bucket(self) -> str:
+        """s3: the bucket, the location's first part."""
+        return self.location.partition("/")[0]
+
+    @property
+    def key_prefix(self) -> str:
+        """s3: the prefix of the objects' keys in the bucket, ending in `/` (empty for the
+        whole bucket)."""
+        prefix = self.location.partition("/")[2].strip("/")
+        return f"{prefix}/" if prefix else ""
+
+    @property
     def downloaded(self) -> bool:
         """Whether the weights must be fetched into the pod (hf://, s3://) before loading."""
         return self.scheme in ("hf", "s3")

@@ -118,7 +118,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         local_gpus,
         local_notes,
     )
-    from fleetllm.operator.cli import plan_summary
+    from fleetllm.planner.summary import plan_summary
 
     if args.shutdown_grace_period < 0:
         raise ValueError("--shutdown-grace-period must not be negative")

@@ -1,5 +1,6 @@
 """The LLMDeployments `fleetllm up` runs: read from manifests (or the built-in default),
-checked for what one machine can serve, and planned by the operator's planner.
+checked for what one machine can serve, and planned as the operator plans them, placed on this
+machine.
 
 Every problem of every manifest is collected before anything starts, so that one run of
 `fleetllm up` shows all of them; a refused plan reads exactly as `fleetllm plan` prints it.
@@ -27,9 +28,11 @@ from fleetllm.api.manifests import (
 from fleetllm.api.source import ModelSource
 from fleetllm.engine import cpu_features
 from fleetllm.local.launch import LocalModel
-from fleetllm.operator.cli import plan_summary
-from fleetllm.operator.config import OperatorConfig
-from fleetllm.operator.planner import PlanError, plan
+from fleetllm.planner.errors import PlanError
+from fleetllm.planner.placement import LocalPlacement
+from fleetllm.planner.plan import plan
+from fleetllm.planner.settings import OperatorConfig
+from fleetllm.planner.summary import plan_summary
 
 DEFAULT_MANIFEST: dict[str, Any] = {
     "apiVersion": "fleetllm.io/v1alpha1",
@@ -64,13 +67,6 @@ def find_vllm() -> str | None:
     """The `vllm` command of this environment (next to this Python), else on PATH."""
     here = Path(sys.executable).parent
     return shutil.which("vllm", path=os.pathsep.join([str(here), os.environ.get("PATH", "")]))
-
-
-def local_model_path(source: ModelSource, cache: Path) -> str:
-    """What the engine loads on this machine (see `LocalModel.model_path`)."""
-    if source.scheme in ("builtin", "file"):
-        return source.location
-    return str(cache / PULLED / source.cache_key())
 
 
 def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
@@ -204,6 +200,7 @@ def load_fleet(
 
     cache = cache_root() if cache is None else cache
     config = OperatorConfig(cpu_bf16=cpu_features.native_bf16() if cpu_bf16 is None else cpu_bf16)
+    placement = LocalPlacement(cache / PULLED)
     found: list[tuple[LLMDeployment, str, Path]] = []
     if not paths:
         found.append((default_deployment(), DEFAULT_WHERE, Path.cwd()))
@@ -237,7 +234,7 @@ def load_fleet(
         local = _local_problems(cr, vllm)
         problems += [f"{title}: {problem}" for problem in local]
         try:
-            planned = plan(cr.spec, config, local=True)
+            planned = plan(cr.spec, config, placement=placement)
         except PlanError as exc:
             problems.append(f"{where}: {plan_summary(cr, exc).rstrip()}")
             continue
@@ -246,8 +243,7 @@ def load_fleet(
                 (sys.executable, "-m", "fleetllm.cli") if cr.spec.engine.backend == "builtin"
                 else (str(vllm),)
             )  # fmt: skip
-            path = local_model_path(planned.source, cache)
-            models.append(LocalModel(cr, planned, where, executable, path))
+            models.append(LocalModel(cr, planned, where, executable))
     if problems:
         raise FleetError("\n".join(problems))
     return models

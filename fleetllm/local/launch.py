@@ -1,10 +1,10 @@
 """What `fleetllm up` runs for one LLMDeployment: its plan, and the command line of a replica
 on this machine. Pure: the planned command with local addresses, no I/O.
 
-A local replica runs the planned engine command with the planned arguments; only what a pod
-gets from Kubernetes changes: the address (loopback, a free port; the router is the one way
-in), the executable (this environment's, so the engine is the installed one), where the
-weights are (a pod's model volume is a folder of the local cache) and, for CPU replicas, a
+A local replica runs the planned engine command with the planned arguments (planned for this
+machine: the weights are where the local cache keeps them); only what a pod gets from
+Kubernetes changes: the address (loopback, a free port; the router is the one way in), the
+executable (this environment's, so the engine is the installed one) and, for CPU replicas, a
 share of this machine's cores.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fleetllm.api.deployment import LLMDeployment
-from fleetllm.operator.planner import Plan, model_location
-from fleetllm.operator.render import startup_seconds
+from fleetllm.planner.plan import Plan
+from fleetllm.planner.timing import startup_seconds
 
 LOOPBACK = "127.0.0.1"
 VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -31,9 +31,6 @@ class LocalModel:
     """The manifest it came from, for messages."""
     executable: tuple[str, ...]
     """What runs the planned command's program here (`fleetllm`, `vllm`)."""
-    model_path: str
-    """What the engine loads here, in place of the planned location: a built-in model's
-    name, a local path, or the local cache folder an hf:// or s3:// source is pulled to."""
 
     @property
     def name(self) -> str:
@@ -76,10 +73,8 @@ def _has_flag(args: Sequence[str], flag: str) -> bool:
 
 
 def local_args(model: LocalModel, port: int) -> list[str]:
-    """The planned arguments with this machine's address and weights."""
+    """The planned arguments, listening on loopback:`port` instead of the pod's address."""
     args = list(model.plan.args)
-    planned_location = model_location(model.plan.source)
-    args = [model.model_path if arg == planned_location else arg for arg in args]
     for flag, value in (("--host", LOOPBACK), ("--port", str(port))):
         if flag in args:
             args[args.index(flag) + 1] = value

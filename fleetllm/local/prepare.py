@@ -53,7 +53,8 @@ class PullProgress(logging.Handler):
 def main(argv: Sequence[str] | None = None) -> int:
     from fleetllm.api.source import ModelSource
     from fleetllm.engine.model_files import resolve_model
-    from fleetllm.engine.pull import PullError, pull
+    from fleetllm.weights.fetch import PullError
+    from fleetllm.weights.pull import pull
 
     parser = argparse.ArgumentParser(prog="python -m fleetllm.local.prepare")
     parser.add_argument("source")

@@ -284,7 +284,7 @@ class Supervisor:
         progress, before any replica starts."""
         model = fleet.model
         argv = [sys.executable, "-m", "fleetllm.local.prepare", model.cr.spec.model.source]
-        argv.append(model.model_path)
+        argv.append(model.plan.model_path)
         if model.backend == "builtin":
             argv.append("--resolve")
         if model.backend == "builtin" or model.plan.source.downloaded:

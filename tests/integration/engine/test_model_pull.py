@@ -26,15 +26,10 @@ from local_services import serve_http
 
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.engine import LLMEngine
-from fleetllm.engine.pull import (
-    MARKER,
-    AwsCredentials,
-    PullError,
-    Settings,
-    pull,
-    sigv4_headers,
-)
 from fleetllm.engine.sampling_params import SamplingParams
+from fleetllm.weights.fetch import PullError, Settings
+from fleetllm.weights.pull import MARKER, pull
+from fleetllm.weights.s3 import AwsCredentials, sigv4_headers
 
 TOKEN = "hf_test_token"
 REPO = "acme/tiny-llama"

@@ -13,7 +13,7 @@ from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.cli import build_parser
 from fleetllm.engine.config import DTYPES, EngineConfig, ModelConfig
 from fleetllm.engine.engine import LLMEngine
-from fleetllm.operator.planner import plan
+from fleetllm.planner.plan import plan
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -1,5 +1,6 @@
-"""The planner's bytes per rank (weights, and KV per token) are exactly what the engine
-allocates: each rank's shard is loaded here as a worker would load it, and measured."""
+"""The engine's sizing formulas (weights and KV per token, per rank) are exactly what it
+allocates, and the planner's figures are those formulas: each rank's shard is loaded here as a
+worker would load it, and measured."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import torch
 from tinymodels import build_hf_model
 
 from fleetllm.api.catalog import MODELS, ModelArch
+from fleetllm.engine import sizing
+from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.cpu_linear import packing_supported
 from fleetllm.engine.model_runner import ModelRunner
 from fleetllm.engine.parallel import TensorParallel
 from fleetllm.engine.quantization import weight_bytes
 from fleetllm.engine.worker import WorkerSpec, load_shard
-from fleetllm.operator.planner import builtin_kv_bytes_per_token, builtin_weight_bytes
+from fleetllm.planner.memory import builtin_kv_bytes_per_token, builtin_weight_bytes
 
 BLOCKS, BLOCK_SIZE = 3, 16
 
@@ -42,6 +45,44 @@ def measure(
     return weight_bytes(model), runner.kv_cache_bytes // slots
 
 
+def engine_formulas(
+    model_dir: Path, size: int, dtype: str, weights: str, kv: str
+) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) of one rank by `fleetllm.engine.sizing`, from the
+    checkpoint's own config as the engine reads it."""
+    cfg = ModelConfig.from_pretrained(model_dir)
+    arch = ModelArch(
+        name=model_dir.name,
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size,
+        max_position=cfg.max_position_embeddings,
+        intermediate_size=cfg.intermediate_size,
+        tied_embeddings=cfg.tie_word_embeddings,
+        qkv_bias=cfg.qkv_bias,
+    )
+    dtype_bytes = getattr(torch, dtype).itemsize
+    quantization = None if weights == "none" else weights
+    # The engine packs where the rule says so and oneDNN runs the dtype on this CPU.
+    packed = sizing.packs_linears("cpu", quantization) and packing_supported(
+        getattr(torch, dtype), torch.device("cpu")
+    )
+    weights_bytes = sizing.weight_bytes_per_rank(
+        arch, tensor=size, dtype_bytes=dtype_bytes, quantization=quantization, packed=packed
+    )
+    kv_bytes = sizing.kv_bytes_per_token(
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads // size,
+        head_dim=cfg.head_dim,
+        kv_cache_dtype=kv,
+        dtype_bytes=dtype_bytes,
+    )
+    return weights_bytes, kv_bytes
+
+
 @pytest.mark.parametrize(
     ("size", "dtype", "weights", "kv"),
     [
@@ -57,6 +98,7 @@ def test_smollm2_rank_figures_equal_the_planners(
     arch = MODELS["SmolLM2-135M"]
     # The vocabulary divides by 3, so every rank holds the same: rank 0 stands for all.
     got_weights, got_kv = measure(smollm2_dir, 0, size, dtype, weights, kv)
+    assert (got_weights, got_kv) == engine_formulas(smollm2_dir, size, dtype, weights, kv)
     planned = builtin_weight_bytes(arch, tensor=size, weights=weights, dtype=dtype, device="cpu")
     if weights == "none" and not packing_supported(getattr(torch, dtype), torch.device("cpu")):
         # The planner counts the reordered copy of the tied head that the engine keeps where
@@ -93,6 +135,8 @@ def test_padded_vocabulary_shards_equal_the_planners(tmp_path: Path) -> None:
     )
     for weights in ("none", "int8"):
         planned = builtin_weight_bytes(arch, tensor=3, weights=weights, dtype="float32")
+        formulas = engine_formulas(tmp_path, 3, "float32", weights, "auto")
         for rank in range(3):
-            got, _ = measure(tmp_path, rank, 3, "float32", weights, "auto")
-            assert got == planned, (weights, rank)
+            got = measure(tmp_path, rank, 3, "float32", weights, "auto")
+            assert got == formulas, (weights, rank)
+            assert got[0] == planned, (weights, rank)

@@ -16,8 +16,8 @@ from test_server_shutdown import EXIT_GUARD_S, StreamThread
 
 from fleetllm.api.contract import ENGINE_PORT
 from fleetllm.api.deployment import LLMDeployment
-from fleetllm.operator.planner import plan
 from fleetllm.operator.render import PRESTOP_SECONDS, render
+from fleetllm.planner.plan import plan
 
 SMOLLM2 = {
     "apiVersion": "fleetllm.io/v1alpha1",

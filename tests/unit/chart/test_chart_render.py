@@ -30,10 +30,10 @@ from rbac import wildcards
 from fleetllm.api.catalog import GPU_PROFILES
 from fleetllm.api.contract import selector_labels
 from fleetllm.cli import build_parser
+from fleetllm.images import CONTROL_PLANE_IMAGE
 from fleetllm.operator.cli import config_from_args
-from fleetllm.operator.config import ModelCache, OperatorConfig
-from fleetllm.operator.images import CONTROL_PLANE_IMAGE
 from fleetllm.operator.reconciler import is_subset
+from fleetllm.planner.settings import ModelCache, OperatorConfig
 from fleetllm.router.config import STRATEGIES
 from fleetllm.version import __version__
 

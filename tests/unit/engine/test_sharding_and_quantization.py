@@ -12,12 +12,12 @@ from fleetllm.engine import kv_cache
 from fleetllm.engine.config import EngineConfig, ModelConfig
 from fleetllm.engine.parallel import TensorParallel, check_tensor_parallel
 from fleetllm.engine.quantization import (
-    INT8_GROUP,
     QuantizedLinear,
     check_quantization,
     quantize_matrix,
     scale_dtype,
 )
+from fleetllm.engine.sizing import INT8_GROUP, kv_bytes_per_token
 
 SMOLLM2_CONFIG: dict[str, object] = {
     "model_type": "llama",
@@ -183,10 +183,13 @@ def test_quantized_kv_cache_reads_back_what_was_written(kind: str) -> None:
     row_max = expected.abs().amax(dim=-1, keepdim=True)
     assert ((gathered - expected).abs() <= bound * row_max + 1e-6).all()
     assert (gathered[1, bs:] == 0).all()  # the zeroed null block reads as zeros
-    # One byte per value plus a float32 scale per token and head, for K and V of each layer.
-    per_token = kv_cache.bytes_per_token(30, heads, dim, kind, torch.float32)
-    assert per_token == 2 * 30 * heads * (dim + 4)
-    assert kv_cache.nbytes(cache) == 5 * bs * heads * (dim + 4)
+    # One byte per value plus a float32 scale per token and head, for K and for V: the
+    # cache (K here, V alike) allocates what the sizing formula counts.
+    per_token = kv_bytes_per_token(
+        num_layers=1, num_kv_heads=heads, head_dim=dim, kv_cache_dtype=kind, dtype_bytes=4
+    )
+    assert per_token == 2 * heads * (dim + 4)
+    assert 2 * kv_cache.nbytes(cache) == 5 * bs * per_token
 
 
 @pytest.mark.parametrize(

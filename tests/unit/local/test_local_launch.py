@@ -95,7 +95,7 @@ def test_vllm_replica_runs_the_planned_vllm_server_on_the_pulled_weights(
     # `vllm serve MODEL`, as planned, with this environment's vllm and the folder of the
     # local cache the hf:// source is pulled to (a pod's model cache volume).
     pulled = tmp_path / "cache" / "pulled" / "hf" / "Qwen" / "Qwen2.5-7B-Instruct" / "main"
-    assert model.model_path == str(pulled)
+    assert model.plan.model_path == str(pulled)
     assert argv[:3] == [VLLM, "serve", str(pulled)]
     flags = _pairs(argv)
     assert flags["--tensor-parallel-size"] == "2"

@@ -17,7 +17,8 @@ from fleetllm.engine import cpu_features
 from fleetllm.local.deployments import load_fleet, local_notes
 from fleetllm.local.launch import GPUPool, LocalModel, replica_argv, replica_env
 from fleetllm.local.supervisor import ModelFleet, Supervisor, SupervisorSettings
-from fleetllm.operator.planner import PlanError, plan
+from fleetllm.planner.errors import PlanError
+from fleetllm.planner.plan import plan
 
 VLLM = "/opt/vllm/bin/vllm"
 

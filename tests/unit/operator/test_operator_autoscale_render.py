@@ -13,8 +13,8 @@ import yaml
 from openapi_schema_validator import OAS30Validator
 
 from fleetllm.api.manifests import parse_llmdeployment
-from fleetllm.operator.planner import plan
 from fleetllm.operator.render import render, render_autoscaler
+from fleetllm.planner.plan import plan
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "manifests" / "examples" / "llama-3.1-8b-l4-awq.yaml"

@@ -30,10 +30,11 @@ from fleetllm.api.catalog import (
 )
 from fleetllm.api.deployment import LLMDeployment, LLMDeploymentSpec
 from fleetllm.api.manifests import load_llmdeployments
-from fleetllm.operator.config import ModelCache, OperatorConfig
-from fleetllm.operator.images import BUILT_IMAGES, UPSTREAM_IMAGES, VLLM_IMAGE, built_image
-from fleetllm.operator.planner import PlanError, plan
+from fleetllm.images import BUILT_IMAGES, UPSTREAM_IMAGES, VLLM_IMAGE, built_image
 from fleetllm.operator.render import render
+from fleetllm.planner.errors import PlanError
+from fleetllm.planner.plan import plan
+from fleetllm.planner.settings import ModelCache, OperatorConfig
 from fleetllm.version import __version__
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -188,7 +189,7 @@ def test_dockerfiles_are_multi_stage_pinned_non_root_and_lint_clean(image: Any) 
 
 def test_the_build_script_builds_every_image_from_the_version_constant() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "fleetllm.operator.images"],
+        [sys.executable, "-m", "fleetllm.images"],
         capture_output=True,
         text=True,
         check=True,
@@ -196,7 +197,7 @@ def test_the_build_script_builds_every_image_from_the_version_constant() -> None
     lines = [line.split() for line in result.stdout.splitlines()]
     assert lines == [[i.dockerfile, i.reference] for i in BUILT_IMAGES]
     script = (ROOT / "scripts" / "build-images.sh").read_text()
-    assert "fleetllm.operator.images" in script and "VERSION=$version" in script
+    assert "fleetllm.images" in script and "VERSION=$version" in script
 
 
 def test_the_control_plane_commands_run_without_the_engines_dependencies(tmp_path: Path) -> None:
@@ -222,7 +223,7 @@ def test_the_control_plane_commands_run_without_the_engines_dependencies(tmp_pat
     code = (
         "import sys\n"
         "from fleetllm.cli import build_parser\n"
-        "import fleetllm.operator.handlers, fleetllm.router.server, fleetllm.engine.pull\n"
+        "import fleetllm.operator.handlers, fleetllm.router.server, fleetllm.weights.pull\n"
         "from fleetllm.cli import main\n"
         "for argv in (['operator', 'run', '--help'], ['router', 'serve', '--help'],\n"
         "             ['model', 'pull', '--help'], ['crds']):\n"

@@ -6,8 +6,8 @@ import argparse
 
 from fleetllm.api.deployment import LLMDeploymentSpec
 from fleetllm.operator.cli import add_config_arguments, config_from_args
-from fleetllm.operator.config import OperatorConfig
-from fleetllm.operator.planner import plan
+from fleetllm.planner.plan import plan
+from fleetllm.planner.settings import OperatorConfig
 
 SMOLLM2 = {"name": "s", "source": "builtin://smollm2-135m"}
 

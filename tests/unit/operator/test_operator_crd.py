@@ -16,7 +16,8 @@ from openapi_schema_validator import OAS30Validator
 from fleetllm.api.catalog import GPU_TYPES
 from fleetllm.api.manifests import parse_llmdeployment
 from fleetllm.operator.crd import crd, crd_yaml, reference_markdown
-from fleetllm.operator.planner import PlanError, plan
+from fleetllm.planner.errors import PlanError
+from fleetllm.planner.plan import plan
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))

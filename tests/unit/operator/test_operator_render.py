@@ -12,9 +12,9 @@ import yaml
 from fleetllm.api.contract import ANNOTATION_APPLIED
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.api.manifests import load_llmdeployments
-from fleetllm.operator.planner import plan
 from fleetllm.operator.reconciler import is_subset, needs_apply
 from fleetllm.operator.render import render
+from fleetllm.planner.plan import plan
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))

@@ -12,8 +12,9 @@ import pytest
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.api.manifests import parse_llmdeployment
 from fleetllm.operator.crd import crd
-from fleetllm.operator.planner import PlanError, plan
 from fleetllm.operator.render import render
+from fleetllm.planner.errors import PlanError
+from fleetllm.planner.plan import plan
 
 KUBERNETES_VERSIONS = ("1.30", "1.37")
 UID = "0b7c6f5e-1d2a-4c3b-9e8f-7a6b5c4d3e2f"

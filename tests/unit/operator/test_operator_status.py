@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from fleetllm.api.manifests import parse_llmdeployment
-from fleetllm.operator.planner import plan
 from fleetllm.operator.status import Refusal, build_status
+from fleetllm.planner.plan import plan
 
 CR = parse_llmdeployment(
     {

@@ -1,6 +1,7 @@
-"""The operator's own configuration: facts about the cluster it manages that no
-LLMDeployment states (`fleetllm operator run` flags; `fleetllm plan` and `render` take the same).
-Pure data."""
+"""The operator's configuration: facts about the cluster it manages that no LLMDeployment
+states (`fleetllm operator run` flags; `fleetllm plan` and `render` take the same). The planner
+and the renderer read them; `fleetllm up` plans with only cpu_bf16 set, from this machine's
+CPU. Pure data."""
 
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from fleetllm.api.deployment import LLMDeploymentSpec
 from fleetllm.api.manifests import load_llmdeployments
-from fleetllm.operator.engine_args import ArgsRefused, flags_changed, parse_serve_args
-from fleetllm.operator.planner import OWNED_FLAGS, PlanError, plan
+from fleetllm.planner.errors import PlanError
+from fleetllm.planner.extra_args import OWNED_FLAGS, ArgsRefused, flags_changed, parse_serve_args
+from fleetllm.planner.plan import plan
 
 CPU = {"model": {"name": "smol", "source": "builtin://smollm2-135m"}, "gpu": {"type": "cpu"}}
 GPU = {

@@ -1,7 +1,8 @@
-"""Every container image the manifests and the renderer refer to, from one version constant.
+"""Every container image the manifests, the planner and the renderer refer to, from one version
+constant.
 
 The project's own images are built from the Dockerfiles in docker/ (`scripts/build-images.sh`
-reads `python -m fleetllm.operator.images`); vLLM's is upstream's, pinned to a release that
+reads `python -m fleetllm.images`); vLLM's is upstream's, pinned to a release that
 drains in-flight requests on SIGTERM (`--shutdown-timeout`, vLLM 0.18 and later).
 """
 

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from fleetllm.api.catalog import GPU_TYPES, MODELS, GPUType, ModelArch, find_model
 from fleetllm.api.deployment import LLMDeploymentSpec
-from fleetllm.operator.planner import PlanError, estimate, plan
+from fleetllm.planner.errors import PlanError
+from fleetllm.planner.memory import estimate
+from fleetllm.planner.plan import plan
 
 MIB = 2**20
 GIB = 2**30

@@ -1,0 +1,117 @@
+"""The planned command line of each backend: `fleetllm engine serve` (the builtin engine) and
+`vllm serve`, with the flags both share spelt the same (vLLM's)."""
+
+from __future__ import annotations
+
+import json
+
+from fleetllm.api.catalog import GPUType
+from fleetllm.api.contract import ENGINE_PORT
+from fleetllm.api.deployment import LLMDeploymentSpec
+from fleetllm.planner.memory import BLOCK_SIZE, MemoryEstimate
+
+VLLM_QUANTIZATION_FLAG = {
+    # Pre-quantized checkpoints: name the fast Marlin kernels (vLLM picks the slow ones when
+    # the plain method is forced); fp8 quantizes a 16-bit checkpoint at load.
+    "int8": "compressed-tensors",
+    "fp8": "fp8",
+    "awq": "awq_marlin",
+    "gptq": "gptq_marlin",
+}
+
+
+def engine_command(
+    spec: LLMDeploymentSpec,
+    gpu: GPUType,
+    model_path: str,
+    *,
+    dtype: str,
+    max_model_len: int,
+    est: MemoryEstimate,
+    max_num_seqs: int,
+    batched: int,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(command, args) of one replica's engine, listening on every address at ENGINE_PORT."""
+    drain = str(spec.engine.drain_seconds)
+    common = (
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--served-model-name",
+        spec.model.name,
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--block-size",
+        str(BLOCK_SIZE),
+    )
+    quant = spec.quantization
+    if spec.engine.backend == "builtin":
+        # An explicit block count, not a memory fraction: the pool is exactly what was planned
+        # and reported, whatever else shares the device or the pod's memory.
+        builtin = [
+            "--model",
+            model_path,
+            *common,
+            "--device",
+            "cuda" if gpu.is_gpu else "cpu",
+            "--shutdown-grace-period",
+            drain,
+            "--num-kv-blocks",
+            str(est.num_kv_blocks),
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--max-num-batched-tokens",
+            str(batched),
+        ]
+        if spec.parallelism.tensor > 1:
+            builtin += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
+        if quant.weights != "none":
+            builtin += ["--quantization", quant.weights]
+        if quant.kv_cache != "auto":
+            builtin += ["--kv-cache-dtype", quant.kv_cache]
+        return ("fleetllm", "engine", "serve"), (*builtin, *_speculative_args(spec))
+    # `vllm serve MODEL`: the positional form (vLLM deprecates --model there).
+    args = [
+        model_path,
+        *common,
+        # Drain on SIGTERM: running requests get this long before vLLM stops.
+        "--shutdown-timeout",
+        drain,
+        "--gpu-memory-utilization",
+        f"{float(est.tuning.memory_utilization):.2f}",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-num-batched-tokens",
+        str(batched),
+        "--tensor-parallel-size",
+        str(spec.parallelism.tensor),
+        "--pipeline-parallel-size",
+        str(spec.parallelism.pipeline),
+        "--enable-prefix-caching",
+    ]
+    if quant.weights != "none":
+        flag = VLLM_QUANTIZATION_FLAG[quant.weights]
+        if gpu.compute_capability is not None and gpu.compute_capability < (8, 0):
+            flag = flag.removesuffix("_marlin")  # Marlin kernels need Ampere or later
+        args += ["--quantization", flag]
+    if quant.kv_cache != "auto":
+        args += ["--kv-cache-dtype", quant.kv_cache]
+    args += _speculative_args(spec)
+    return ("vllm", "serve"), tuple(args)
+
+
+def _speculative_args(spec: LLMDeploymentSpec) -> list[str]:
+    """`--speculative-config` as JSON with vLLM's keys (both backends read the same)."""
+    speculative = spec.speculative
+    if speculative is None:
+        return []
+    config = {
+        "method": speculative.method,
+        "num_speculative_tokens": speculative.num_speculative_tokens,
+        "prompt_lookup_max": speculative.prompt_lookup_max,
+        "prompt_lookup_min": speculative.prompt_lookup_min,
+    }
+    return ["--speculative-config", json.dumps(config, separators=(",", ":"))]

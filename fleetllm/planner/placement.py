@@ -1,0 +1,51 @@
+"""Where a replica runs, and so where its engine loads the model from: a pod in a cluster
+(the model volumes mounted at fixed paths) or a process of `fleetllm up` on this machine (a
+folder of the local cache). The planner writes that location into the engine's arguments, so
+every runner starts the planned command as it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fleetllm.api.source import ModelSource
+
+MODEL_MOUNT = "/models"
+"""Where a pvc:// source's claim is mounted in a pod."""
+MODEL_CACHE_MOUNT = "/var/lib/fleetllm/models"
+"""Where hf:// and s3:// weights are pulled to in a pod (the model cache volume)."""
+
+
+@dataclass(frozen=True)
+class ClusterPlacement:
+    """A pod: the operator mounts a pvc:// claim at MODEL_MOUNT and pulls hf:// and s3://
+    weights into the model cache volume at MODEL_CACHE_MOUNT."""
+
+    def model_path(self, source: ModelSource) -> str:
+        """What the engine loads: a built-in model's name, or a folder in the pod."""
+        if source.scheme in ("builtin", "file"):
+            return source.location
+        if source.scheme == "pvc":
+            return f"{MODEL_MOUNT}/{source.path}" if source.path else MODEL_MOUNT
+        return f"{MODEL_CACHE_MOUNT}/{source.cache_key()}"
+
+
+@dataclass(frozen=True)
+class LocalPlacement:
+    """A process on this machine: a file:// source is a path here, and hf:// and s3://
+    weights are pulled into `pulled`, a folder of the local cache, as into a pod's model
+    cache volume. (A pvc:// claim exists only in a cluster; the local fleet refuses it.)"""
+
+    pulled: Path
+
+    def model_path(self, source: ModelSource) -> str:
+        """What the engine loads: a built-in model's name, a local path, or the folder of the
+        local cache the weights are pulled to."""
+        if source.scheme in ("builtin", "file"):
+            return source.location
+        return str(self.pulled / source.cache_key())
+
+
+Placement = ClusterPlacement | LocalPlacement
+
+IN_CLUSTER = ClusterPlacement()

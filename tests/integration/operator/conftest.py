@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 from kubeapi import NAMESPACE, EmulatedApiServer, emulated_api, kubeconfig_for
 from kubeapi import eventually as eventually_
-from operator_testkit import Controllers, Load
+from operator_testkit import Controllers, Load, assert_one_writer_per_status_field
 
 from fleetllm.api.deployment import KIND
 from fleetllm.kube import Credentials, KubeClient, load_credentials
@@ -145,6 +145,8 @@ async def start_operator(
     for operator in running:
         with contextlib.suppress(AssertionError):
             await operator.stop()
+    # Whatever a test did, every status field it saw written had its one writer.
+    assert_one_writer_per_status_field(api)
 
 
 @pytest.fixture()

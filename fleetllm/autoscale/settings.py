@@ -1,5 +1,4 @@
-"""The control law's constants that are the same for every LLMDeployment (the CRD holds the
-per-model targets and delays)."""
+"""The control law's settings."""
 
 from __future__ import annotations
 
@@ -8,6 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LawSettings:
+    """Constants of the law that are the same for every LLMDeployment (the CRD holds the
+    per-model targets and delays)."""
+
     tolerance: float = 0.1
     """No change while need is within this fraction of the current count (as the HPA)."""
     max_scale_up_factor: float = 2.0

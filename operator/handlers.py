@@ -5,8 +5,9 @@ All decisions live in the reconciler; handlers here only say *when* to reconcile
 - one of its children changes or disappears (drift, deletion, Deployment status);
 - it is in conflict (a child's name is taken by an object it does not own): retried every
   `conflict_recheck_seconds`, since the foreign object's removal raises no event here.
-The one kopf timer steps the autoscaler (scaler.py) of each LLMDeployment with
-`spec.scaling.mode: builtin`, every `autoscale_interval` seconds, on the peering leader only.
+The one kopf timer steps the autoscaler (scaler.py) of each LLMDeployment the builtin
+autoscaler drives, every `autoscale_interval` seconds, on the peering leader only; after each
+reconcile of one it does not drive, the autoscaler stands down (its status fields go).
 kopf puts its finalizer on those LLMDeployments (and only on those), so that the timer stops
 before the object goes; nothing else needs cleanup beyond the garbage collection that
 ownerReferences give.
@@ -34,7 +35,7 @@ from fleetllm.kube.client import KubeClient
 from fleetllm.kube.errors import ApiError
 from fleetllm.kube.login import LoginError, load_credentials
 from fleetllm.operator.reconciler import CHILD_RESOURCES, Reconciler
-from fleetllm.operator.scaler import Scaler
+from fleetllm.operator.scaler import Scaler, driven_by_builtin
 from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
 
 logger = logging.getLogger("fleetllm.operator")
@@ -93,9 +94,12 @@ def _backoff(retry: int) -> float:
     return min(MAX_BACKOFF_SECONDS, 2.0**retry)
 
 
-async def _reconcile_or_retry(memo: OperatorState, namespace: str, name: str, retry: int) -> None:
+async def _reconcile_or_retry(
+    memo: OperatorState, body: Mapping[str, Any], namespace: str, name: str, retry: int
+) -> None:
     try:
         await memo.reconciler.reconcile(namespace, name)
+        await memo.scaler.stand_down(body)
     except ApiError as exc:
         if exc.retryable:
             raise kopf.TemporaryError(str(exc), delay=_backoff(retry)) from exc
@@ -114,10 +118,9 @@ def _owner_name(body: dict[str, Any]) -> str | None:
     return (meta.get("labels") or {}).get(LABEL_INSTANCE)
 
 
-def _builtin_scaling(spec: Mapping[str, Any], **_: Any) -> bool:
+def _builtin_scaling(body: Mapping[str, Any], **_: Any) -> bool:
     """Whether the operator's own autoscaler scales it (the timer's filter)."""
-    scaling = spec.get("scaling")
-    return isinstance(scaling, Mapping) and scaling.get("mode", "builtin") == "builtin"
+    return driven_by_builtin(body) is not None
 
 
 def build_registry(autoscale_interval: float = AUTOSCALE_INTERVAL_SECONDS) -> kopf.OperatorRegistry:
@@ -146,9 +149,9 @@ def build_registry(autoscale_interval: float = AUTOSCALE_INTERVAL_SECONDS) -> ko
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, retries=HANDLER_RETRIES)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry, retries=HANDLER_RETRIES)
     async def llmdeployment_changed(
-        name: str, namespace: str, memo: OperatorState, retry: int, **_: Any
+        body: kopf.Body, name: str, namespace: str, memo: OperatorState, retry: int, **_: Any
     ) -> None:
-        await _reconcile_or_retry(memo, namespace, name, retry)
+        await _reconcile_or_retry(memo, body, namespace, name, retry)
 
     @kopf.timer(
         GROUP,

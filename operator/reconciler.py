@@ -23,6 +23,7 @@ from typing import Any
 from fleetllm.api.contract import ANNOTATION_APPLIED, child_names
 from fleetllm.api.deployment import API_VERSION, KIND, LLMDEPLOYMENTS, LLMDeployment
 from fleetllm.api.manifests import parse_llmdeployment
+from fleetllm.api.status import SCALE_RECORD_FIELDS
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.errors import ApiError
 from fleetllm.kube.resources import (
@@ -190,8 +191,9 @@ class Reconciler:
         result = Outcome(planned=isinstance(outcome, Plan))
         uid = meta.get("uid")
         live: dict[str, dict[str, Any] | None] = {}
-        scaling = cr.spec.scaling if cr is not None else None
-        autoscaler = AUTOSCALER_KINDS.get(scaling.mode) if scaling is not None else None
+        autoscaler = None
+        if cr is not None and cr.spec.scaling is not None and not cr.spec.autoscaled_by_builtin:
+            autoscaler = AUTOSCALER_KINDS[cr.spec.scaling.mode]
         names = child_names(name)
         if autoscaler is not None:
             names[autoscaler] = name
@@ -229,6 +231,8 @@ class Reconciler:
             self.conflicted.discard((namespace, name))
 
         old_status = body.get("status") or {}
+        # The ScaleRecord is the autoscaler's: compared, written and removed by it alone.
+        owned = {k: v for k, v in old_status.items() if k not in SCALE_RECORD_FIELDS}
         status, transitions = build_status(
             cr,
             name,
@@ -242,8 +246,8 @@ class Reconciler:
             unavailable=result.unavailable,
             rejected=result.rejected,
         )
-        if status != old_status:
-            removed = {key: None for key in old_status if key not in status}
+        if status != owned:
+            removed = {key: None for key in owned if key not in status}
             await self.client.patch_status(
                 LLMDEPLOYMENTS,
                 name,

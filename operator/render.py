@@ -523,7 +523,7 @@ def render_autoscaler(cr: LLMDeployment) -> dict[str, Any] | None:
     """The HPA or ScaledObject that scales the LLMDeployment instead of the operator's own
     autoscaler (spec.scaling.mode hpa or keda); None otherwise."""
     scaling = cr.spec.scaling
-    if scaling is None or scaling.mode == "builtin":
+    if scaling is None or cr.spec.autoscaled_by_builtin:
         return None
     if scaling.mode == "hpa":
         return render_hpa(cr, scaling)

@@ -1,9 +1,10 @@
-"""The operator's autoscaler: one step for one LLMDeployment with `spec.scaling.mode: builtin`.
+"""The operator's autoscaler: one step for one LLMDeployment the builtin autoscaler drives
+(`LLMDeploymentSpec.autoscaled_by_builtin`).
 
 A kopf timer (handlers.py) calls `Scaler.step` per LLMDeployment; under kopf peering only the
 leading operator runs timers. A step reads the scale subresource and the engine pods, scrapes
-the ready ones' /metrics (fleetllm.scrape), runs the control law (fleetllm.operator.autoscale)
-and, when the count changes, writes it:
+the ready ones' /metrics (fleetllm.scrape), runs the control law (fleetllm.autoscale) and, when
+the count changes, writes it:
 
 1. before a scale-down, each ready pod gets `controller.kubernetes.io/pod-deletion-cost` = the
    requests in it, so the ReplicaSet removes the ones with the fewest first. A removed pod's
@@ -11,8 +12,11 @@ and, when the count changes, writes it:
    requests), and its preStop hook lets what it holds finish;
 2. spec.replicas through the scale subresource, guarded by the resourceVersion read, so a
    count the router or a user wrote meanwhile is never overwritten;
-3. status.desiredReplicas, lastScaleTime and lastScaleReason, and an Event.
-The reconciler then carries spec.replicas to the Deployment and keeps the status.
+3. the status' `ScaleRecord` (lastScaleTime, lastScaleReason, lastScaleChange), and an Event.
+Those status fields are the autoscaler's alone, under its own field manager: the reconciler
+then carries spec.replicas to the Deployment and writes the rest of the status
+(desiredReplicas, the conditions). When an LLMDeployment stops being autoscaled, `stand_down`
+removes the ScaleRecord (it would describe an autoscaler no longer at work).
 
 A count the law did not write that rises from zero is the router's demand (it scales a model
 from zero through the same subresource when it holds requests): the law is told, so it holds
@@ -25,26 +29,29 @@ import datetime
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from fleetllm.api.contract import ENGINE_PORT, PORT_NAME, selector_string
-from fleetllm.api.deployment import LLMDEPLOYMENTS
+from fleetllm.api.deployment import LLMDEPLOYMENTS, LLMDeployment
 from fleetllm.api.manifests import parse_llmdeployment
+from fleetllm.api.status import SCALE_RECORD_FIELDS, ScaleChange, ScaleRecord
+from fleetllm.autoscale.law import Autoscaler
+from fleetllm.autoscale.settings import LawSettings
+from fleetllm.autoscale.step import Decision, Observation
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.errors import ApiError
 from fleetllm.kube.resources import PODS
-from fleetllm.operator.autoscale import Autoscaler, Decision, LawSettings, Observation
 from fleetllm.scrape import scrape_all
 
 logger = logging.getLogger("fleetllm.operator")
 
 FIELD_MANAGER = "fleetllm-autoscaler"
 POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
-EVENT_REASONS = {
+EVENT_REASONS: dict[ScaleChange, str] = {
     "up": "ScaledUp",
     "down": "ScaledDown",
     "to-zero": "ScaledToZero",
@@ -66,6 +73,18 @@ class _Tracked:
     replicas: int | None = None
     """spec.replicas after the last step (as read, or as written)."""
     demand_time: float | None = None
+
+
+def driven_by_builtin(body: Mapping[str, Any]) -> LLMDeployment | None:
+    """The LLMDeployment in `body` if the builtin autoscaler drives it; None for another mode,
+    no scaling, or a spec the reconciler reports as invalid."""
+    meta = body.get("metadata") or {}
+    where = f"LLMDeployment {meta.get('namespace') or 'default'}/{meta.get('name') or ''}"
+    try:
+        cr = parse_llmdeployment(dict(body), where)
+    except ValueError:
+        return None
+    return cr if cr.spec.autoscaled_by_builtin else None
 
 
 def ready_pods(pods: list[dict[str, Any]]) -> dict[str, str]:
@@ -139,14 +158,12 @@ class Scaler:
         decision, or None when it has no builtin scaling or is gone."""
         meta = body.get("metadata") or {}
         namespace, name = meta.get("namespace") or "default", meta.get("name") or ""
-        try:
-            cr = parse_llmdeployment(body, f"LLMDeployment {namespace}/{name}")
-        except ValueError:
-            return None  # the reconciler reports an invalid spec
-        scaling = cr.spec.scaling
-        if scaling is None or scaling.mode != "builtin":
+        cr = driven_by_builtin(body)
+        if cr is None:
             self.forget(namespace, name)
             return None
+        scaling = cr.spec.scaling
+        assert scaling is not None  # the builtin autoscaler drives only what scaling bounds
         tracked = self._tracked.get((namespace, name))
         if tracked is None or tracked.uid != meta.get("uid"):
             tracked = _Tracked(uid=meta.get("uid"), law=Autoscaler(self._settings))
@@ -204,7 +221,7 @@ class Scaler:
             )
             return decision
         tracked.replicas = decision.replicas
-        await self._record(body, namespace, name, replicas, decision)
+        await self._record(body, namespace, name, decision)
         return decision
 
     def _http(self) -> aiohttp.ClientSession:
@@ -245,34 +262,51 @@ class Scaler:
                 if not exc.not_found:
                     raise  # a pod gone since the list is one less to choose from
 
+    async def stand_down(self, body: Mapping[str, Any]) -> None:
+        """For an LLMDeployment the builtin autoscaler does not drive (any more): forget its
+        history and remove the ScaleRecord from its status."""
+        meta = body.get("metadata") or {}
+        namespace, name = meta.get("namespace") or "default", meta.get("name") or ""
+        if driven_by_builtin(body) is not None:
+            return
+        self.forget(namespace, name)
+        recorded = SCALE_RECORD_FIELDS & set(body.get("status") or {})
+        if recorded:
+            await self._patch_status(namespace, name, dict.fromkeys(sorted(recorded)))
+
     async def _record(
         self,
         body: dict[str, Any],
         namespace: str,
         name: str,
-        before: int,
         decision: Decision,
     ) -> None:
-        reason = f"{before} -> {decision.replicas}: {decision.reason}"
+        assert decision.change != "none"
         self.decisions.append((namespace, name, decision))
         logger.info(
             "scaled",
             extra={
                 "llmdeployment": f"{namespace}/{name}",
-                "from": before,
+                "from": decision.previous,
                 "to": decision.replicas,
                 "change": decision.change,
                 "reason": decision.reason,
             },
         )
-        status = {
-            "desiredReplicas": decision.replicas,
-            "lastScaleTime": self._wall_clock(),
-            "lastScaleReason": reason[:4096],
-        }
+        record = ScaleRecord(
+            last_scale_time=self._wall_clock(),
+            last_scale_reason=decision.summary[:4096],
+            last_scale_change=decision.change,
+        )
+        await self._patch_status(namespace, name, record.model_dump(by_alias=True, mode="json"))
+        reason = EVENT_REASONS[decision.change]
+        await self._emit(body, "Normal", reason, decision.summary)
+
+    async def _patch_status(self, namespace: str, name: str, fields: dict[str, Any]) -> None:
         try:
-            await self.client.patch_status(LLMDEPLOYMENTS, name, status, namespace)
+            await self.client.patch_status(
+                LLMDEPLOYMENTS, name, fields, namespace, field_manager=FIELD_MANAGER
+            )
         except ApiError as exc:
             if not exc.not_found:
                 raise
-        await self._emit(body, "Normal", EVENT_REASONS[decision.change], reason)

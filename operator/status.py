@@ -1,7 +1,9 @@
 """LLMDeployment status from the plan outcome and the engine Deployment. Pure, no I/O.
 
-Conditions follow the Kubernetes conventions: one entry per type, CamelCase reasons, and a
-lastTransitionTime that moves only when the status itself changes.
+The reconciler's part of the status (`ReconciledStatus`); the builtin autoscaler writes the
+rest (`ScaleRecord`), which is only read here. Conditions follow the Kubernetes conventions: one
+entry per type, CamelCase reasons, and a lastTransitionTime that moves only when the status
+itself changes.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 from fleetllm.api.contract import endpoint, selector_string
 from fleetllm.api.deployment import LLMDeployment
-from fleetllm.api.status import Condition, LLMDeploymentStatus
+from fleetllm.api.status import Condition, ReconciledStatus
 from fleetllm.planner.plan import Plan
 
 
@@ -102,11 +104,11 @@ def build_status(
     unavailable: str | None = None,
     rejected: list[str] | None = None,
 ) -> tuple[dict[str, Any], list[Transition]]:
-    """The new status (as the API stores it) and the conditions that changed. `conflicts`
-    names children ("Service NAME") whose names are taken by objects not owned by this
-    LLMDeployment: nothing was applied. `unavailable` says why spec.scaling.mode's
-    autoscaler could not be created. `rejected`: children the API server refused as invalid
-    ("KIND NAME: its message")."""
+    """The reconciler's part of the new status (as the API stores it) and the conditions that
+    changed; `old_status` is the whole status as stored. `conflicts` names children ("Service
+    NAME") whose names are taken by objects not owned by this LLMDeployment: nothing was
+    applied. `unavailable` says why spec.scaling.mode's autoscaler could not be created.
+    `rejected`: children the API server refused as invalid ("KIND NAME: its message")."""
     desired = cr.spec.desired_replicas() if cr is not None else 0
     conflict = conflict_message(conflicts) if conflicts else None
     refused = rejected_message(rejected) if rejected else None
@@ -170,15 +172,12 @@ def build_status(
     else:
         conds.append(("Degraded", "False", "AsExpected", ""))
 
-    # The autoscaler writes lastScaleTime and lastScaleReason; they are kept while it runs.
-    scaling = cr.spec.scaling if cr is not None else None
-    autoscaled = scaling is not None and scaling.mode == "builtin"
-    last_reason = (old_status or {}).get("lastScaleReason") if autoscaled else None
-    last_time = (old_status or {}).get("lastScaleTime") if autoscaled else None
     if planned and desired == 0:
         why = "spec.replicas is 0"
-        if last_reason and " -> 0: " in last_reason:
-            why = f"the autoscaler scaled {last_reason}"
+        scaled = (old_status or {}).get("lastScaleReason")
+        autoscaled = cr is not None and cr.spec.autoscaled_by_builtin
+        if autoscaled and scaled and (old_status or {}).get("lastScaleChange") == "to-zero":
+            why = f"the autoscaler scaled {scaled}"
         conds.append(("ScaledToZero", "True", "ScaledToZero", why))
     else:
         conds.append(("ScaledToZero", "False", "ReplicasWanted", f"{desired} replicas wanted"))
@@ -208,7 +207,7 @@ def build_status(
         ):
             transitions.append(Transition(ctype, cstatus, reason, message))
 
-    status = LLMDeploymentStatus(
+    status = ReconciledStatus(
         observed_generation=generation,
         conditions=conditions,
         replicas=replicas,
@@ -217,7 +216,5 @@ def build_status(
         selector=selector_string(name),
         plan=outcome.status if isinstance(outcome, Plan) else None,
         endpoint=endpoint(name, namespace),
-        last_scale_time=last_time,
-        last_scale_reason=last_reason,
     )
     return status.model_dump(by_alias=True, exclude_none=True, mode="json"), transitions

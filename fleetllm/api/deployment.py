@@ -16,6 +16,7 @@ from pydantic.alias_generators import to_camel
 from fleetllm.api.base import SpecModel
 from fleetllm.api.catalog import GPU_PROFILES, GPU_TYPES
 from fleetllm.api.quantity import QUANTITY_PATTERN, Quantity
+from fleetllm.api.rules import Rule, cel_validations, check, ordered
 from fleetllm.api.scaling import ScalingSpec
 from fleetllm.api.source import SOURCE_PATTERN
 from fleetllm.kube.resources import Resource
@@ -195,20 +196,16 @@ class ParallelismSpec(SpecModel):
     pipeline: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree.")
 
 
+SPECULATIVE_RULES: tuple[Rule[SpeculativeSpec], ...] = (
+    ordered("lookup-bounds", "promptLookupMin", "promptLookupMax"),
+)
+
+
 class SpeculativeSpec(SpecModel):
     """Speculative decoding (vLLM's speculative_config): draft tokens proposed by matching
     n-grams in the context, verified in one forward pass; the output is unchanged."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self.promptLookupMin <= self.promptLookupMax",
-                    "message": "promptLookupMin must not exceed promptLookupMax",
-                }
-            ]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra=cel_validations(SPECULATIVE_RULES))
 
     method: Literal["ngram"] = Field("ngram", description="How drafts are proposed.")
     num_speculative_tokens: int = Field(ge=1, le=16, description="Draft tokens proposed per step.")
@@ -220,13 +217,8 @@ class SpeculativeSpec(SpecModel):
     )
 
     @model_validator(mode="after")
-    def _lookup_bounds(self) -> SpeculativeSpec:
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"promptLookupMin {self.prompt_lookup_min} exceeds promptLookupMax "
-                f"{self.prompt_lookup_max}"
-            )
-        return self
+    def _rules(self) -> SpeculativeSpec:
+        return check(self, SPECULATIVE_RULES)
 
 
 class GPUSpec(SpecModel):
@@ -339,6 +331,14 @@ class LLMDeploymentSpec(SpecModel):
     scaling: ScalingSpec | None = None
     routing: RoutingSpec = _default(RoutingSpec)
     pod: PodSpec = _default(PodSpec)
+
+    @property
+    def autoscaled_by_builtin(self) -> bool:
+        """Whether the builtin autoscaler drives spec.replicas: scaling is given, in mode builtin
+        (the default). Modes hpa and keda leave it to an HPA or a KEDA ScaledObject the
+        operator renders; without scaling only users and the router's scale from zero change
+        it."""
+        return self.scaling is not None and self.scaling.mode == "builtin"
 
     def desired_replicas(self) -> int:
         if self.scaling is None:

@@ -7,70 +7,73 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from fleetllm.api.base import SpecModel
+from fleetllm.api.rules import Rule, cel_validations, check, ordered
 
 DEFAULT_QUEUE_TIME_SECONDS = 1.0
 MAX_HPA_DELAY_SECONDS = 3600
 """The longest scale-down stabilization window an HPA (and so KEDA) takes."""
-# What the modes hpa and keda cannot do as the builtin autoscaler does: refused rather than
-# silently done otherwise.
-KEDA_ZERO_MESSAGE = (
-    "mode keda with minReplicas 0 needs scaleToZeroAfterSeconds (KEDA scales an idle model to "
-    "zero after that cooldown; the builtin mode never does without it)"
+
+
+def _mode_is_not(mode: str) -> str:
+    return f"!has(self.mode) || self.mode != '{mode}'"
+
+
+SCALING_RULES: tuple[Rule[ScalingSpec], ...] = (
+    ordered("bounds", "minReplicas", "maxReplicas"),
+    Rule(
+        "zero-needs-min-0",
+        "!has(self.scaleToZeroAfterSeconds) || self.minReplicas == 0",
+        lambda s: s.scale_to_zero_after_seconds is None or s.min_replicas == 0,
+        "scaleToZeroAfterSeconds needs minReplicas: 0",
+    ),
+    Rule(
+        "keda-needs-prometheus",
+        f"{_mode_is_not('keda')} || has(self.prometheusAddress)",
+        lambda s: s.mode != "keda" or s.prometheus_address is not None,
+        "mode keda needs prometheusAddress",
+    ),
+    Rule(
+        "hpa-not-to-zero",
+        f"{_mode_is_not('hpa')} || self.minReplicas >= 1",
+        lambda s: s.mode != "hpa" or s.min_replicas >= 1,
+        "mode hpa needs minReplicas >= 1 (the HPA does not scale to zero)",
+    ),
+    Rule(
+        "keda-zero-needs-cooldown",
+        f"{_mode_is_not('keda')} || self.minReplicas >= 1 || has(self.scaleToZeroAfterSeconds)",
+        lambda s: (
+            s.mode != "keda" or s.min_replicas >= 1 or s.scale_to_zero_after_seconds is not None
+        ),
+        "mode keda with minReplicas 0 needs scaleToZeroAfterSeconds (KEDA scales an idle model "
+        "to zero after that cooldown; the builtin mode never does without it)",
+    ),
+    Rule(
+        "hpa-delay",
+        "!has(self.mode) || self.mode == 'builtin' || !has(self.scaleDownDelaySeconds)"
+        f" || self.scaleDownDelaySeconds <= {MAX_HPA_DELAY_SECONDS}",
+        lambda s: s.mode == "builtin" or s.scale_down_delay_seconds <= MAX_HPA_DELAY_SECONDS,
+        f"modes hpa and keda take scaleDownDelaySeconds up to {MAX_HPA_DELAY_SECONDS} (the HPA's "
+        "longest stabilization window); use mode builtin for a longer delay",
+    ),
+    Rule(
+        "hpa-queue-time",
+        f"{_mode_is_not('hpa')} || !has(self.targetQueueTimeSeconds)"
+        f" || self.targetQueueTimeSeconds == {DEFAULT_QUEUE_TIME_SECONDS}",
+        lambda s: s.mode != "hpa" or s.target_queue_time_seconds == DEFAULT_QUEUE_TIME_SECONDS,
+        "mode hpa scales on KV-cache usage only (a queue-time p90 needs PromQL): "
+        f"targetQueueTimeSeconds other than {DEFAULT_QUEUE_TIME_SECONDS:g} takes effect with modes "
+        "builtin and keda",
+    ),
 )
-HPA_DELAY_MESSAGE = (
-    f"modes hpa and keda take scaleDownDelaySeconds up to {MAX_HPA_DELAY_SECONDS} (the HPA's "
-    "longest stabilization window); use mode builtin for a longer delay"
-)
-HPA_QUEUE_MESSAGE = (
-    "mode hpa scales on KV-cache usage only (a queue-time p90 needs PromQL): "
-    f"targetQueueTimeSeconds other than {DEFAULT_QUEUE_TIME_SECONDS:g} takes effect with modes "
-    "builtin and keda"
-)
+"""What the modes hpa and keda cannot do as the builtin autoscaler does is refused rather than
+silently done otherwise."""
 
 
 class ScalingSpec(SpecModel):
     """Bounds and targets for the autoscaler. spec.replicas is kept within the bounds; without
     scaling, nothing but the user (and the router's scale from zero) changes it."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self.minReplicas <= self.maxReplicas",
-                    "message": "minReplicas must not exceed maxReplicas",
-                },
-                {
-                    "rule": "!has(self.scaleToZeroAfterSeconds) || self.minReplicas == 0",
-                    "message": "scaleToZeroAfterSeconds needs minReplicas: 0",
-                },
-                {
-                    "rule": "!has(self.mode) || self.mode != 'keda' || has(self.prometheusAddress)",
-                    "message": "mode keda needs prometheusAddress",
-                },
-                {
-                    "rule": "!has(self.mode) || self.mode != 'hpa' || self.minReplicas >= 1",
-                    "message": "mode hpa needs minReplicas >= 1 (the HPA does not scale to zero)",
-                },
-                {
-                    "rule": "!has(self.mode) || self.mode != 'keda' || self.minReplicas >= 1"
-                    " || has(self.scaleToZeroAfterSeconds)",
-                    "message": KEDA_ZERO_MESSAGE,
-                },
-                {
-                    "rule": "!has(self.mode) || self.mode == 'builtin'"
-                    " || !has(self.scaleDownDelaySeconds)"
-                    f" || self.scaleDownDelaySeconds <= {MAX_HPA_DELAY_SECONDS}",
-                    "message": HPA_DELAY_MESSAGE,
-                },
-                {
-                    "rule": "!has(self.mode) || self.mode != 'hpa'"
-                    " || !has(self.targetQueueTimeSeconds)"
-                    f" || self.targetQueueTimeSeconds == {DEFAULT_QUEUE_TIME_SECONDS}",
-                    "message": HPA_QUEUE_MESSAGE,
-                },
-            ]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra=cel_validations(SCALING_RULES))
 
     min_replicas: int = Field(1, ge=0, le=1000, description="Fewest replicas (0 allows zero).")
     max_replicas: int = Field(ge=1, le=1000, description="Most replicas.")
@@ -107,25 +110,5 @@ class ScalingSpec(SpecModel):
     )
 
     @model_validator(mode="after")
-    def _bounds(self) -> ScalingSpec:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"minReplicas {self.min_replicas} exceeds maxReplicas {self.max_replicas}"
-            )
-        if self.scale_to_zero_after_seconds is not None and self.min_replicas != 0:
-            raise ValueError("scaleToZeroAfterSeconds needs minReplicas: 0")
-        if self.mode == "keda" and self.prometheus_address is None:
-            raise ValueError("mode keda needs prometheusAddress")
-        if self.mode == "hpa" and self.min_replicas < 1:
-            raise ValueError("mode hpa needs minReplicas >= 1 (the HPA does not scale to zero)")
-        if (
-            self.mode == "keda"
-            and self.min_replicas == 0
-            and self.scale_to_zero_after_seconds is None
-        ):
-            raise ValueError(KEDA_ZERO_MESSAGE)
-        if self.mode != "builtin" and self.scale_down_delay_seconds > MAX_HPA_DELAY_SECONDS:
-            raise ValueError(HPA_DELAY_MESSAGE)
-        if self.mode == "hpa" and self.target_queue_time_seconds != DEFAULT_QUEUE_TIME_SECONDS:
-            raise ValueError(HPA_QUEUE_MESSAGE)
-        return self
+    def _rules(self) -> ScalingSpec:
+        return check(self, SCALING_RULES)

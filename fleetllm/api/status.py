@@ -1,4 +1,7 @@
-"""The LLMDeployment's status as the operator writes it."""
+"""The LLMDeployment's status as the operator writes it: each field has one writer. The
+reconciler writes `ReconciledStatus` (what it observes and plans, conditions included); the
+builtin autoscaler writes `ScaleRecord` when it changes spec.replicas. The CRD's status is
+both, `LLMDeploymentStatus`."""
 
 from __future__ import annotations
 
@@ -51,8 +54,12 @@ class PlanStatus(StatusModel):
     engine_args: list[str]
 
 
-class LLMDeploymentStatus(StatusModel):
-    """Observed state, written by the operator."""
+ScaleChange = Literal["up", "down", "to-zero", "from-zero", "bounds"]
+"""How the builtin autoscaler changed spec.replicas."""
+
+
+class ReconciledStatus(StatusModel):
+    """The status fields the reconciler writes, and nothing else does."""
 
     observed_generation: int | None = Field(None, description="Generation last reconciled.")
     conditions: list[Condition] = Field(
@@ -65,6 +72,12 @@ class LLMDeploymentStatus(StatusModel):
     selector: str | None = Field(None, description="Label selector of the engine pods (scale).")
     plan: PlanStatus | None = None
     endpoint: str | None = Field(None, description="In-cluster URL of the replicas' Service.")
+
+
+class ScaleRecord(StatusModel):
+    """The status fields the builtin autoscaler writes when it changes spec.replicas (and
+    removes once it no longer drives the LLMDeployment), and nothing else does."""
+
     last_scale_time: str | None = Field(
         None,
         json_schema_extra={"format": "date-time"},
@@ -73,3 +86,21 @@ class LLMDeploymentStatus(StatusModel):
     last_scale_reason: str | None = Field(
         None, max_length=4096, description="Why, as `FROM -> TO: what the autoscaler saw`."
     )
+    last_scale_change: ScaleChange | None = Field(
+        None,
+        description="What that change was: up, down, to-zero (idle), from-zero (the router's "
+        "demand) or bounds (into minReplicas..maxReplicas).",
+    )
+
+
+def field_names(model: type[StatusModel]) -> frozenset[str]:
+    """The status keys (camelCase, as the API stores them) of a part of the status."""
+    return frozenset(info.alias or name for name, info in model.model_fields.items())
+
+
+SCALE_RECORD_FIELDS = field_names(ScaleRecord)
+"""The status keys the builtin autoscaler writes."""
+
+
+class LLMDeploymentStatus(ScaleRecord, ReconciledStatus):
+    """Observed state, written by the operator."""

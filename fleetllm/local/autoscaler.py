@@ -1,5 +1,5 @@
 """The local fleet's autoscaler: each second, the ready replicas' `/metrics` (the shared
-scraper) into the same control law the operator runs (`fleetllm.operator.autoscale`), and
+scraper) into the same control law the operator runs (`fleetllm.autoscale`), and
 its decision applied by the supervisor. Only I/O and wiring live here; the law decides."""
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import time
 import aiohttp
 
 from fleetllm.api.scaling import ScalingSpec
+from fleetllm.autoscale.law import Autoscaler
+from fleetllm.autoscale.settings import LawSettings
+from fleetllm.autoscale.step import Observation
 from fleetllm.local.supervisor import Load, ModelFleet, Supervisor
-from fleetllm.operator.autoscale import Autoscaler, LawSettings, Observation
 from fleetllm.scrape import scrape_all
 
 STEP_S = 1.0

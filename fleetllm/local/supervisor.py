@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from fleetllm.autoscale.step import scale_summary
 from fleetllm.local.launch import GPUPool, LocalModel, replica_argv, replica_env, spec_env
 from fleetllm.local.policy import (
     Candidate,
@@ -238,7 +239,7 @@ class Supervisor:
                     "reason": reason,
                 },
             )
-            fleet.last_scale = f"{fleet.desired} -> {desired}: {reason}"
+            fleet.last_scale = scale_summary(fleet.desired, desired, reason)
             fleet.desired = desired
         self.reconcile(fleet)
 

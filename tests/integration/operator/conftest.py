@@ -19,7 +19,7 @@ import pytest_asyncio
 from kubeapi import NAMESPACE, EmulatedApiServer, emulated_api
 from kubeapi import eventually as eventually_
 from kubelogin import kubeconfig_for
-from operator_testkit import Controllers, Load
+from operator_testkit import Controllers, Load, assert_one_writer_per_status_field
 
 from fleetllm.api.deployment import KIND
 from fleetllm.kube.client import KubeClient
@@ -147,6 +147,8 @@ async def start_operator(
     for operator in running:
         with contextlib.suppress(AssertionError):
             await operator.stop()
+    # Whatever a test did, every status field it saw written had its one writer.
+    assert_one_writer_per_status_field(api)
 
 
 @pytest.fixture()

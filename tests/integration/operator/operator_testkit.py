@@ -9,16 +9,44 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+import kmock
 from aiohttp import web
-from kubeapi import NAMESPACE, EmulatedApiServer
+from kubeapi import CR_RESOURCE, NAMESPACE, EmulatedApiServer
 
 from fleetllm.api.contract import selector_labels
+from fleetllm.api.status import ReconciledStatus, ScaleRecord, field_names
 from fleetllm.engine.engine import EngineStats
 from fleetllm.engine.metrics import EngineMetrics
+from fleetllm.kube.client import DEFAULT_FIELD_MANAGER
+from fleetllm.operator import scaler
 from fleetllm.operator.scaler import POD_DELETION_COST
 
 MODEL = "smollm2-135m"
 DEPLOYMENTS = "apps/v1/deployments"
+STATUS_WRITERS = {
+    **dict.fromkeys(field_names(ReconciledStatus), DEFAULT_FIELD_MANAGER),
+    **dict.fromkeys(field_names(ScaleRecord), scaler.FIELD_MANAGER),
+}
+"""Each LLMDeployment status field -> the field manager of its one writer: the reconciler
+(the client's default manager) or the builtin autoscaler."""
+
+
+def status_writers(api: EmulatedApiServer) -> dict[str, set[str]]:
+    """Each LLMDeployment status field written through the API -> the field managers that
+    wrote it (set it or removed it)."""
+    writers: dict[str, set[str]] = {}
+    for r in api.writes():
+        if r.subresource != "status" or r.resource != kmock.resource(CR_RESOURCE):
+            continue
+        for key in (r.data or {}).get("status") or {}:
+            writers.setdefault(key, set()).add(r.params.get("fieldManager", ""))
+    return writers
+
+
+def assert_one_writer_per_status_field(api: EmulatedApiServer) -> None:
+    writers = status_writers(api)
+    wrong = {k: w for k, w in writers.items() if w != {STATUS_WRITERS.get(k)}}
+    assert not wrong, f"status fields with another writer than their own: {wrong}"
 
 
 @dataclass

@@ -16,10 +16,10 @@ import pytest
 import yaml
 from kubeapi import CR_RESOURCE, NAMESPACE, EmulatedApiServer
 from openapi_schema_validator import OAS30Validator
-from operator_testkit import DEPLOYMENTS, MODEL, Load
+from operator_testkit import DEPLOYMENTS, MODEL, Load, status_writers
 
 from fleetllm.api.deployment import API_VERSION, KIND
-from fleetllm.kube.client import KubeClient
+from fleetllm.kube.client import DEFAULT_FIELD_MANAGER, KubeClient
 from fleetllm.kube.login import load_credentials
 from fleetllm.operator.scaler import FIELD_MANAGER, POD_DELETION_COST
 from fleetllm.router.discovery import KubernetesDiscovery, ModelRoute
@@ -74,6 +74,15 @@ def _scale_writes(api: EmulatedApiServer, name: str) -> list[Any]:
     ]
 
 
+async def _set_mode(api: EmulatedApiServer, name: str, mode: str) -> None:
+    async with api.patch(
+        f"{CRS}/{name}",
+        json={"spec": {"scaling": {"mode": mode}}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    ) as response:
+        assert response.status == 200, await response.text()
+
+
 def _condition(cr: dict[str, Any], ctype: str) -> dict[str, Any]:
     return next(c for c in cr["status"]["conditions"] if c["type"] == ctype)
 
@@ -114,9 +123,16 @@ async def test_kv_usage_scales_up_then_down_after_the_delay_least_busy_first(
         ),
         "the status records the last scale",
     )
-    assert cr["status"]["desiredReplicas"] == 4
     assert "KV cache 0.95 (target 0.80)" in cr["status"]["lastScaleReason"]
     assert cr["status"]["lastScaleTime"].endswith("Z")
+    assert cr["status"]["lastScaleChange"] == "up"
+    # The reconciler, which alone writes it, follows spec.replicas.
+    await eventually(
+        lambda: _cr(api, "chat")["status"].get("desiredReplicas") == 4, "desiredReplicas"
+    )
+    writers = status_writers(api)
+    assert writers["desiredReplicas"] == writers["conditions"] == {DEFAULT_FIELD_MANAGER}
+    assert writers["lastScaleReason"] == writers["lastScaleChange"] == {FIELD_MANAGER}
     ups = await eventually(lambda: len(e := _events(api, "chat", "ScaledUp")) == 2 and e, "Events")
     assert [e["message"].split(":")[0] for e in ups] == ["1 -> 2", "2 -> 4"]
     await eventually(lambda: len(cluster.engines) == 4, "four replicas run")
@@ -171,6 +187,7 @@ async def test_idle_scales_to_zero_and_the_routers_demand_brings_one_back(
         "the ScaledToZero Event",
     )
     assert event["message"].startswith("1 -> 0: no requests for ")
+    assert _cr(api, "idle")["status"]["lastScaleChange"] == "to-zero"
     cr = await eventually(
         lambda: (
             (c := _cr(api, "idle")).get("status", {}).get("observedGeneration")
@@ -247,18 +264,29 @@ async def test_without_builtin_scaling_replicas_are_left_alone(
     assert not operator.state.scaler.decisions
 
     # Switching to the builtin autoscaler removes the HPA (two autoscalers would fight).
-    async with api.patch(
-        f"{CRS}/viahpa",
-        json={"spec": {"scaling": {"mode": "builtin"}}},
-        headers={"Content-Type": "application/merge-patch+json"},
-    ) as response:
-        assert response.status == 200, await response.text()
+    await _set_mode(api, "viahpa", "builtin")
     await eventually(
         lambda: api.get("autoscaling/v2/horizontalpodautoscalers", "viahpa") is None,
         "the HPA is deleted",
     )
     await eventually(lambda: _cr(api, "viahpa")["spec"]["replicas"] > 2, "now autoscaled")
     await eventually(lambda: _events(api, "viahpa", "Deleted"), "an Event for the deletion")
+    await eventually(
+        lambda: "lastScaleReason" in _cr(api, "viahpa")["status"], "the autoscaler's record"
+    )
+
+    # And back: the HPA again, and the autoscaler's record of its work goes with it.
+    await _set_mode(api, "viahpa", "hpa")
+    await eventually(
+        lambda: api.get("autoscaling/v2/horizontalpodautoscalers", "viahpa"), "the HPA again"
+    )
+    await eventually(
+        lambda: (
+            not {"lastScaleTime", "lastScaleReason", "lastScaleChange"}
+            & set(_cr(api, "viahpa")["status"])
+        ),
+        "the autoscaler's status fields removed",
+    )
 
 
 async def test_keda_mode_renders_a_scaled_object_or_says_keda_is_missing(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleetllm.api.manifests import parse_llmdeployment
+from fleetllm.api.status import ReconciledStatus, field_names
 from fleetllm.operator.status import Refusal, build_status
 from fleetllm.planner.plan import plan
 
@@ -168,3 +169,48 @@ def test_a_child_the_api_server_refuses_is_reported_with_its_message() -> None:
     message = next(c["message"] for c in status["conditions"] if c["type"] == "Degraded")
     assert "Deployment smol-engine: spec.template.spec.affinity: Invalid value" in message
     assert any(t.type == "Degraded" and t.warning for t in transitions)
+
+
+TO_ZERO = ("to-zero", "1 -> 0: no requests for 300s (scaleToZeroAfterSeconds 300)")
+ZERO = {"minReplicas": 0, "maxReplicas": 2, "scaleToZeroAfterSeconds": 300}
+
+
+def _at_zero(
+    scaling: dict[str, Any] | None, record: tuple[str, str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The status built at spec.replicas 0 after the autoscaler recorded (change, reason),
+    and the stored status it was built from."""
+    spec: dict[str, Any] = {**CR.spec.model_dump(by_alias=True, exclude_none=True), "replicas": 0}
+    spec.pop("scaling")
+    if scaling is not None:
+        spec["scaling"] = scaling
+    cr = parse_llmdeployment({**CR.model_dump(by_alias=True, exclude_none=True), "spec": spec})
+    stored = {
+        "lastScaleTime": "T0",
+        "lastScaleChange": record[0],
+        "lastScaleReason": record[1],
+    }
+    status, _ = build_status(cr, "smol", "ml", 4, plan(cr.spec), _deployment(0, 0), stored, "T")
+    return status, stored
+
+
+def test_the_reconcilers_status_leaves_the_autoscalers_fields_alone() -> None:
+    status, stored = _at_zero(ZERO, TO_ZERO)
+    assert not set(stored) & set(status)
+    assert set(status) <= field_names(ReconciledStatus)
+
+
+def _scaled_to_zero_message(status: dict[str, Any]) -> str:
+    return next(c["message"] for c in status["conditions"] if c["type"] == "ScaledToZero")
+
+
+def test_scaled_to_zero_says_the_autoscaler_did_it_from_its_record() -> None:
+    assert _scaled_to_zero_message(_at_zero(ZERO, TO_ZERO)[0]) == (
+        "the autoscaler scaled 1 -> 0: no requests for 300s (scaleToZeroAfterSeconds 300)"
+    )
+    # Its last change was another one (a user scaled to zero since), or it no longer drives
+    # the LLMDeployment: spec.replicas says it.
+    down = ("down", "2 -> 1: KV cache 0.10 (target 0.80) on 2/2 ready replicas: need 0.25 for 2")
+    for scaling, record in ((ZERO, down), (None, TO_ZERO)):
+        message = _scaled_to_zero_message(_at_zero(scaling, record)[0])
+        assert message == "spec.replicas is 0", (scaling, record)

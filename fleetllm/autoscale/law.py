@@ -29,137 +29,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 from fleetllm.api.scaling import ScalingSpec
+from fleetllm.autoscale.histograms import histogram_delta, merge_histograms
+from fleetllm.autoscale.settings import LawSettings
+from fleetllm.autoscale.step import Change, Decision, Load, Observation
+from fleetllm.autoscale.window import RequestWindow
 from fleetllm.scrape import EngineSample, Histogram
-
-Change = Literal["none", "up", "down", "to-zero", "from-zero", "bounds"]
-
-
-@dataclass(frozen=True)
-class LawSettings:
-    """Constants of the law that are the same for every LLMDeployment (the CRD holds the
-    per-model targets and delays)."""
-
-    tolerance: float = 0.1
-    """No change while need is within this fraction of the current count (as the HPA)."""
-    max_scale_up_factor: float = 2.0
-    """Outside panic a step at most multiplies the count by this (and adds at least one)."""
-    panic_factor: float = 2.0
-    """Panic when p90 queue time reaches this x its target, or need this x the ready count."""
-    queue_window_seconds: float = 60.0
-    """The span the queue-time p90 is taken over."""
-    min_queue_requests: int = 10
-    """Fewer requests than this in the window make no p90 (one slow request is not a trend)."""
-    stale_after_seconds: float = 30.0
-    """A sample older than this is missing."""
-
-    def __post_init__(self) -> None:
-        if not (
-            0 <= self.tolerance < 1
-            and self.max_scale_up_factor > 1
-            and self.panic_factor > 1
-            and self.queue_window_seconds > 0
-            and self.min_queue_requests >= 1
-            and self.stale_after_seconds > 0
-        ):
-            raise ValueError(f"invalid autoscaler settings: {self}")
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What one step sees."""
-
-    time: float
-    """Seconds on the caller's clock (the one the samples' `time` is on)."""
-    replicas: int
-    """Replicas wanted now (spec.replicas)."""
-    ready_replicas: int
-    samples: Mapping[str, EngineSample | None]
-    """One entry per ready replica, keyed by a stable id (pod name, URL); None: unreadable."""
-    replica_capacity: int | None = None
-    """Sequences one replica runs at once (the plan's maxNumSeqs); None: unknown."""
-    demand_time: float | None = None
-    """When the router last asked for capacity for requests it holds; None: never."""
-
-
-@dataclass(frozen=True)
-class Load:
-    """The signals one step computed, for the reason, status and logs."""
-
-    ready: int
-    sampled: int
-    kv_cache_usage: float | None
-    """Mean over the sampled replicas."""
-    running: float
-    waiting: float
-    saturated: bool
-    """Requests wait on every sampled replica."""
-    queue_time_p90: float | None
-    request_rate: float | None
-    """Requests arriving per second over the queue window (None: unknown), from the
-    replicas' counters: those that finished plus the growth of those they hold."""
-    need: float
-    """Replicas the load needs (fractional)."""
-
-
-@dataclass(frozen=True)
-class Decision:
-    replicas: int
-    change: Change
-    reason: str
-    panic: bool
-    load: Load
-
-
-def histogram_delta(current: Histogram, previous: Histogram | None) -> Histogram | None:
-    """Observations between two scrapes of one replica; a counter that went down means the
-    process restarted, so everything it holds now is new. None for a first sight (its counts
-    span an unknown past)."""
-    if previous is None:
-        return None
-    if current.count < previous.count or any(
-        current.count_at(le) < count for le, count in previous.buckets
-    ):
-        return current
-    return Histogram(
-        tuple((le, count - previous.count_at(le)) for le, count in current.buckets),
-        count=current.count - previous.count,
-        sum=current.sum - previous.sum,
-    )
-
-
-def merge_histograms(histograms: list[Histogram]) -> Histogram | None:
-    """The sum of several histograms, over the union of their bucket bounds."""
-    if not histograms:
-        return None
-    bounds = sorted({le for h in histograms for le, _ in h.buckets})
-    return Histogram(
-        tuple((le, sum(h.count_at(le) for h in histograms)) for le in bounds),
-        count=sum(h.count for h in histograms),
-        sum=sum(h.sum for h in histograms),
-    )
-
-
-def histogram_quantile(q: float, histogram: Histogram) -> float | None:
-    """Prometheus' histogram_quantile: linear within the bucket the rank falls in; in the
-    +Inf bucket, the largest finite bound. None without observations."""
-    total = histogram.buckets[-1][1] if histogram.buckets else 0.0
-    if total <= 0:
-        return None
-    rank = q * total
-    lower_bound, lower_count = 0.0, 0.0
-    for le, count in histogram.buckets:
-        if count >= rank:
-            if math.isinf(le):
-                return lower_bound
-            if count == lower_count:
-                return le
-            return lower_bound + (le - lower_bound) * (rank - lower_count) / (count - lower_count)
-        lower_bound, lower_count = le, count
-    return lower_bound
 
 
 @dataclass(frozen=True)
@@ -167,46 +44,6 @@ class _Step:
     replicas: int
     change: Change
     reason: str
-
-
-@dataclass
-class _Window:
-    """Per-step counter deltas of the whole fleet over a time window: the queue-time
-    observations, and the requests that arrived (those that finished plus the growth of those
-    the replicas hold), each over the step's interval."""
-
-    steps: deque[tuple[float, float, Histogram | None, float | None]] = field(default_factory=deque)
-    """(time, seconds since the previous step, queue-time delta, arrivals)."""
-
-    def add(
-        self,
-        time: float,
-        interval: float,
-        delta: Histogram | None,
-        arrivals: float | None,
-        window: float,
-    ) -> None:
-        self.steps.append((time, interval, delta, arrivals))
-        while self.steps and self.steps[0][0] <= time - window:
-            self.steps.popleft()
-
-    def p90(self, since: float, min_requests: int) -> float | None:
-        recent = [h for t, _, h, _ in self.steps if t > since and h is not None]
-        merged = merge_histograms(recent)
-        if merged is None or merged.count < min_requests:
-            return None
-        return histogram_quantile(0.9, merged)
-
-    def rates(self, start: float, end: float) -> tuple[float, float] | None:
-        """(arrived, finished) requests per second over the steps in (start, end] that know
-        their arrivals; None without any."""
-        known = [(dt, h, a) for t, dt, h, a in self.steps if start < t <= end and a is not None]
-        seconds = sum(dt for dt, _, _ in known)
-        if seconds <= 0:
-            return None
-        arrived = sum(a for _, _, a in known)
-        finished = sum(h.count for _, h, _ in known if h is not None)
-        return arrived / seconds, finished / seconds
 
 
 class Autoscaler:
@@ -220,7 +57,7 @@ class Autoscaler:
         """Per replica: the time and queue-time histogram of its last sample."""
         self._in_flight: tuple[float, float] | None = None
         """(time, requests the sampled replicas held) at the last step."""
-        self._window = _Window()
+        self._window = RequestWindow()
         self._recommendations: deque[tuple[float, int]] = deque()
         self._first_time: float | None = None
         self._panic_until = -math.inf
@@ -404,7 +241,7 @@ class Autoscaler:
             decision = self._scale(spec, obs, load, missing, panic)
         if decision.change == "to-zero":
             self._zeroed_at = obs.time
-        return Decision(decision.replicas, decision.change, decision.reason, panic, load)
+        return Decision(current, decision.replicas, decision.change, decision.reason, panic, load)
 
     def _bounds(self, spec: ScalingSpec, obs: Observation) -> _Step | None:
         """Zero, and counts outside minReplicas..maxReplicas: no load to weigh."""

@@ -4,12 +4,19 @@ tokens are the same, and eviction under pressure changes nothing but speed."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
+from typing import Any
 
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.sampling_params import SamplingParams
 
 VARIANT = "llama-mha"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def tiny_llm(path: Path, **options: Any) -> LLM:
+    """The tiny model in float32 on token ids, with the pool and caching options given."""
+    return LLM(str(path), dtype="float32", skip_tokenizer_init=True, **options)
 
 
 def computed_tokens(llm: LLM) -> list[int]:
@@ -33,16 +40,10 @@ def test_shared_prefix_hits_computes_less_and_matches(tiny_model) -> None:
     first = [*system, *[rng.randrange(256) for _ in range(10)]]
     second = [*system, *[rng.randrange(256) for _ in range(12)]]
 
-    plain = LLM(
-        str(path),
-        dtype="float32",
-        skip_tokenizer_init=True,
-        num_kv_blocks=64,
-        enable_prefix_caching=False,
-    )
+    plain = tiny_llm(path, num_kv_blocks=64, enable_prefix_caching=False)
     expected = plain.generate(second, GREEDY)[0].outputs[0].token_ids
 
-    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    llm = tiny_llm(path, num_kv_blocks=64)
     llm.generate(first, GREEDY)
     before = llm.engine.stats()
     counts = computed_tokens(llm)
@@ -62,7 +63,7 @@ def test_shared_prefix_hits_computes_less_and_matches(tiny_model) -> None:
 
 def test_identical_prompt_recomputes_only_its_last_token(tiny_model) -> None:
     path, _ = tiny_model(VARIANT)
-    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    llm = tiny_llm(path, num_kv_blocks=64)
     prompt = list(range(64))  # four full blocks
     a = llm.generate(prompt, GREEDY)[0]
     counts = computed_tokens(llm)
@@ -80,19 +81,11 @@ def test_eviction_under_pressure_keeps_results_identical(tiny_model) -> None:
     # longer than the pool, so older prefixes are evicted before they come round again.
     prompts = [[*prefixes[i // 2 % 6], *[rng.randrange(256) for _ in range(5)]] for i in range(30)]
 
-    plain = LLM(
-        str(path),
-        dtype="float32",
-        skip_tokenizer_init=True,
-        num_kv_blocks=256,
-        enable_prefix_caching=False,
-    )
+    plain = tiny_llm(path, num_kv_blocks=256, enable_prefix_caching=False)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
 
     # 20 blocks: room for about two requests at a time, far too few to keep every prefix.
-    llm = LLM(
-        str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=20, max_model_len=160
-    )
+    llm = tiny_llm(path, num_kv_blocks=20, max_model_len=160)
     got = []
     for p in prompts:  # one by one, so each finds what the last ones left behind
         got.append(llm.generate(p, GREEDY)[0].outputs[0].token_ids)

@@ -78,14 +78,16 @@ def agreement(engine: LLMEngine, reference) -> tuple[float, float]:
     return same.float().mean().item(), same[decisive].float().mean().item()
 
 
+def float32_llm(smollm2_dir: Path, **options: str) -> LLM:
+    """SmolLM2 in float32 with one quantization option, sized as the reference engine is."""
+    return LLM(str(smollm2_dir), dtype="float32", num_kv_blocks=130, max_model_len=2048, **options)
+
+
 @pytest.mark.slow
 def test_int8_weights_agree_with_float32_in_under_a_third_of_the_memory(
     smollm2_dir: Path, smollm2_llm: LLM, reference: tuple[list[int], torch.Tensor, torch.Tensor]
 ) -> None:
-    with LLM(
-        str(smollm2_dir), dtype="float32", quantization="int8", num_kv_blocks=130,
-        max_model_len=2048,
-    ) as llm:  # fmt: skip
+    with float32_llm(smollm2_dir, quantization="int8") as llm:
         overall, decisive = agreement(llm.engine, reference)
         int8_bytes = llm.engine.weight_bytes[0]
     # Against float32's weights as the checkpoint has them: where the CPU's matmuls run on
@@ -110,10 +112,7 @@ def test_int8_weights_agree_with_float32_in_under_a_third_of_the_memory(
 def test_an_int8_kv_cache_agrees_with_float32(
     smollm2_dir: Path, smollm2_llm: LLM, reference: tuple[list[int], torch.Tensor, torch.Tensor]
 ) -> None:
-    with LLM(
-        str(smollm2_dir), dtype="float32", kv_cache_dtype="int8", num_kv_blocks=130,
-        max_model_len=2048,
-    ) as llm:  # fmt: skip
+    with float32_llm(smollm2_dir, kv_cache_dtype="int8") as llm:
         overall, decisive = agreement(llm.engine, reference)
         per_token = llm.engine.kv_cache_bytes[0] / (131 * 16)
     full = smollm2_llm.engine.kv_cache_bytes[0] / ((smollm2_llm.engine.kv.num_blocks + 1) * 16)

@@ -14,6 +14,7 @@ from aiohttp import web
 from kubeapi import CR_RESOURCE, NAMESPACE, EmulatedApiServer
 
 from fleetllm.api.contract import selector_labels
+from fleetllm.api.deployment import API_VERSION, KIND
 from fleetllm.api.status import ReconciledStatus, ScaleRecord, field_names
 from fleetllm.engine.engine import EngineStats
 from fleetllm.engine.metrics import EngineMetrics
@@ -23,6 +24,25 @@ from fleetllm.operator.scaler import POD_DELETION_COST
 
 MODEL = "smollm2-135m"
 DEPLOYMENTS = "apps/v1/deployments"
+CRS = "/apis/fleetllm.io/v1alpha1/namespaces/default/llmdeployments"
+CR = "fleetllm.io/v1alpha1/llmdeployments"
+
+
+def smollm2_cr(replicas: int) -> dict[str, Any]:
+    """The LLMDeployment `smol` in `default`: SmolLM2 on the CPU with `replicas` replicas."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": "smol", "namespace": "default"},
+        "spec": {
+            "model": {"name": MODEL, "source": f"builtin://{MODEL}"},
+            "gpu": {"type": "cpu"},
+            "maxModelLen": 4096,
+            "replicas": replicas,
+        },
+    }
+
+
 STATUS_WRITERS = {
     **dict.fromkeys(field_names(ReconciledStatus), DEFAULT_FIELD_MANAGER),
     **dict.fromkeys(field_names(ScaleRecord), scaler.FIELD_MANAGER),

@@ -9,6 +9,7 @@ from typing import Any
 import kmock
 import pytest
 from kubelogin import ExecPlugin, kubeconfig_for
+from operator_testkit import CR, CRS, smollm2_cr
 
 from fleetllm.api.deployment import API_VERSION, KIND
 
@@ -18,25 +19,13 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
 ]
 
-CRS = "/apis/fleetllm.io/v1alpha1/namespaces/default/llmdeployments"
-CR = "fleetllm.io/v1alpha1/llmdeployments"
 CHILDREN = {
     "Deployment": "apps/v1/deployments",
     "Service": "v1/services",
     "ConfigMap": "v1/configmaps",
     "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
 }
-SMOL: dict[str, Any] = {
-    "apiVersion": API_VERSION,
-    "kind": KIND,
-    "metadata": {"name": "smol", "namespace": "default"},
-    "spec": {
-        "model": {"name": "smollm2-135m", "source": "builtin://smollm2-135m"},
-        "gpu": {"type": "cpu"},
-        "maxModelLen": 4096,
-        "replicas": 1,
-    },
-}
+SMOL = smollm2_cr(replicas=1)
 
 
 def _condition(cr: dict[str, Any] | None, ctype: str) -> dict[str, Any]:

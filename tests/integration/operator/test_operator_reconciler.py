@@ -7,8 +7,9 @@ import json
 from typing import Any
 
 import pytest
+from operator_testkit import CR, CRS, smollm2_cr
 
-from fleetllm.api.deployment import API_VERSION, KIND
+from fleetllm.api.deployment import KIND
 
 pytestmark = [
     pytest.mark.asyncio,
@@ -16,24 +17,12 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
 ]
 
-CRS = "/apis/fleetllm.io/v1alpha1/namespaces/default/llmdeployments"
 DEPLOYMENTS = "apps/v1/deployments"
 SERVICES = "v1/services"
 CONFIGMAPS = "v1/configmaps"
 PDBS = "policy/v1/poddisruptionbudgets"
-CR = "fleetllm.io/v1alpha1/llmdeployments"
 
-SMOLLM2: dict[str, Any] = {
-    "apiVersion": API_VERSION,
-    "kind": KIND,
-    "metadata": {"name": "smol", "namespace": "default"},
-    "spec": {
-        "model": {"name": "smollm2-135m", "source": "builtin://smollm2-135m"},
-        "gpu": {"type": "cpu"},
-        "maxModelLen": 4096,
-        "replicas": 2,
-    },
-}
+SMOLLM2 = smollm2_cr(replicas=2)
 
 
 def _condition(cr: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:

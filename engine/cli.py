@@ -39,10 +39,12 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=1))
-    prompt = args.prompt
+    prompt: str | list[int] = args.prompt
     if args.chat:
         assert engine.tokenizer is not None
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        # The template writes its own special tokens: tokenized without adding a second BOS.
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     engine.add_request("cli", prompt, params)
     printed = 0
     if not args.chat:

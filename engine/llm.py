@@ -140,8 +140,12 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [
-            tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt)
+        # The template writes its own special tokens: tokenized without adding a second BOS.
+        prompts: list[Prompt] = [
+            tokenizer.encode(
+                tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt),
+                add_special_tokens=False,
+            )
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

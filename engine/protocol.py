@@ -189,6 +189,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Logprobs | None = None
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
+    # The chat template writes the special tokens itself (a BOS, often): the rendered text is
+    # tokenized without adding them again, as vLLM does, unless the client asks.
+    add_special_tokens: Bool = False
     chat_template_kwargs: dict[Str, Any] | None = None
     response_format: dict[Str, Any] | None = None
 

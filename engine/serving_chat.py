@@ -38,7 +38,7 @@ class OpenAIServingChat:
         job = serving.new_job("chat", "chatcmpl", model, req.n, http)
         serving.check_choices(1, req.n)
         text = await serving.render_chat(req)
-        prompt = Prompt(text, await serving.encode(text))
+        prompt = Prompt(text, await serving.encode(text, req.add_special_tokens))
         job.prompts.append(prompt)
         if req.stop_token_ids:
             serving.check_token_ids(req.stop_token_ids, "stop_token_ids")

@@ -21,6 +21,7 @@ from pydantic import (
     ValidationError,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 
 from fleetllm.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
@@ -78,8 +79,34 @@ _MESSAGES_SCHEMA = {
 }
 
 
+def _nullable_optionals(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """The served schema says what `_null_is_default` accepts: every optional field may be
+    null."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required or {"type": "null"} in prop.get("anyOf", ()):
+            continue
+        outer = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **outer}
+
+
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_nullable_optionals)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        # OpenAI's schema and vLLM take `null` for an optional field (`"stream": null`, as
+        # some clients send every field): it means the field's default. A required field
+        # given null is still refused.
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()
+        }
 
 
 class StreamOptions(OpenAIModel):

@@ -28,6 +28,8 @@ from fleetllm.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
 from fleetllm.errors import APIError, bad_request
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Entries of logit_bias and allowed_token_ids: each costs a little in every step's sampling.
+MAX_LOGIT_RULES = 4096
 
 
 def from_value_error(exc: ValueError, default_param: str | None = None) -> APIError:
@@ -46,6 +48,8 @@ NonEmptyStr = Annotated[Str, Field(min_length=1)]
 TokenId = Annotated[Int, Field(ge=0)]  # the vocabulary's bound is the serving layer's check
 Logprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
 PositiveTokens = Annotated[Int, Field(ge=1)]
+BiasKey = Annotated[Str, Field(pattern=r"^[0-9]{1,19}$")]  # a token id, as OpenAI sends it
+Bias = Annotated[Float, Field(ge=-100, le=100)]
 
 _TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 # `prompt` is validated by `normalize_prompt` (one clear message for every wrong shape); this
@@ -137,18 +141,16 @@ class _SamplingFields(OpenAIModel):
     stream: Bool = False
     stream_options: StreamOptions | None = None
     user: Str | None = None
-    logit_bias: dict[Str, Float] | None = None
+    # OpenAI's shape: token ids as strings -> a bias in [-100, 100] added to their logits.
+    logit_bias: Annotated[dict[BiasKey, Bias], Field(max_length=MAX_LOGIT_RULES)] | None = None
+    allowed_token_ids: (
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LOGIT_RULES)] | None
+    ) = None
+    bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     return_token_ids: Bool = False
     # Prefix-cache blocks are shared only among requests with the same salt (vLLM's field):
     # tenants that must not learn about each other's prompts through cache timing use their own.
     cache_salt: NonEmptyStr | None = None
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
 
     @property
     def include_usage(self) -> bool:

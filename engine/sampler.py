@@ -1,8 +1,9 @@
 """Turns a batch of logits into next tokens, one row per request.
 
-Order of processing (vLLM's): min_tokens masking, penalties, then greedy argmax or
-temperature -> top-k -> top-p -> min-p -> a random draw. Logprobs are those of the raw model
-distribution, before any processing, as vLLM reports them by default.
+Order of processing (vLLM's): allowed tokens, bad words and min_tokens masking, penalties,
+the logit bias, then greedy argmax or temperature -> top-k -> top-p -> min-p -> a random draw.
+Logprobs are those of the raw model distribution, before any processing, as vLLM reports them
+by default.
 
 A failure in the work done for one row (masking, penalties, filtering, its own generator,
 logprobs) fails that row only: it is reported in `SampleResult.errors` and the other rows are
@@ -107,11 +108,41 @@ def _penalize(logits: torch.Tensor, i: int, row: SamplingRow) -> None:
         logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def needs_processing(row: SamplingRow) -> bool:
+    p = row.params
+    return len(row.output_token_ids) < p.min_tokens or p.has_penalties or p.has_logit_rules
+
+
 def process_row(logits: torch.Tensor, i: int, row: SamplingRow) -> None:
-    """In place, row i: min_tokens masking, then penalties."""
-    if len(row.output_token_ids) < row.params.min_tokens and row.stop_token_ids:
+    """In place, row i: allowed tokens, bad words and min_tokens masking, penalties, then the
+    logit bias (vLLM's order)."""
+    p = row.params
+    if p.allowed_token_ids:
+        keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+        keep[p.allowed_token_ids] = True
+        logits[i].masked_fill_(~keep, float("-inf"))
+    if p.bad_words_token_ids:
+        _mask_bad_words(logits, i, p.bad_words_token_ids, row.output_token_ids)
+    if len(row.output_token_ids) < p.min_tokens and row.stop_token_ids:
         logits[i, list(row.stop_token_ids)] = float("-inf")
     _penalize(logits, i, row)
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+        bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        logits[i].index_add_(0, ids, bias)
+
+
+def _mask_bad_words(
+    logits: torch.Tensor, i: int, words: list[list[int]], output: Sequence[int]
+) -> None:
+    """A word's last token is masked where the output ends with the tokens before it."""
+    banned = [
+        word[-1]
+        for word in words
+        if len(word) == 1 or list(output[len(output) - len(word) + 1 :]) == word[:-1]
+    ]
+    if banned:
+        logits[i, banned] = float("-inf")
 
 
 def needs_filtering(params: SamplingParams) -> bool:
@@ -147,7 +178,7 @@ def sample(
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     for i, row in enumerate(rows):
-        if len(row.output_token_ids) < row.params.min_tokens or row.params.has_penalties:
+        if needs_processing(row):
             with result.guard(i):
                 process_row(logits, i, row)
 

@@ -41,6 +41,13 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the model's length limit
     min_tokens: int = 0
     logprobs: int | None = None  # top-n logprobs returned for each sampled token
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias, [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
+    # Token sequences never generated: the last token of each is masked wherever the output
+    # ends with the ones before it (vLLM's bad_words, tokenized by the serving layer).
+    bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -54,6 +61,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def has_logit_rules(self) -> bool:
+        """Whether the logits are masked or biased for this request before sampling."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def has_penalties(self) -> bool:
@@ -112,6 +124,19 @@ class SamplingParams:
             and not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS
         ):
             fail("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for token, bias in (self.logit_bias or {}).items():
+            if integer("logit_bias", token) < 0:
+                fail("logit_bias", f"keys must be non-negative token ids, got {token}")
+            if not -100.0 <= number("logit_bias", bias) <= 100.0:
+                fail("logit_bias", f"values must be in [-100, 100], got {bias}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not allowed or any(integer("allowed_token_ids", t) < 0 for t in allowed)
+        ):
+            fail("allowed_token_ids", f"must be a non-empty list of token ids, got {allowed!r}")
+        for word in self.bad_words_token_ids or ():
+            if not word or any(integer("bad_words", t) < 0 for t in word):
+                fail("bad_words", f"must tokenize to non-empty token lists, got {word!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
         stop = self.stop

@@ -39,7 +39,12 @@ from fleetllm.engine.async_engine import (
 )
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.llm import child_params
-from fleetllm.engine.protocol import ChatCompletionRequest, TokenizeChatRequest, from_value_error
+from fleetllm.engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeChatRequest,
+    from_value_error,
+)
 from fleetllm.engine.request import CompletionOutput, Logprob, RequestFailedError, RequestOutput
 from fleetllm.engine.sampling_params import SamplingParams
 from fleetllm.engine.serving_models import ServedModels
@@ -270,6 +275,22 @@ class OpenAIServing:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"{param}: token ids must be in [0, {vocab}), got {bad}", param)
+
+    async def logit_rules(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        """Checks the token ids the request names against the vocabulary (stop_token_ids,
+        logit_bias, allowed_token_ids) and returns its bad_words as token lists: each word
+        alone and after a space, as it would appear mid-text (vLLM's rule)."""
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        if req.logit_bias:
+            self.check_token_ids([int(k) for k in req.logit_bias], "logit_bias")
+        if req.allowed_token_ids:
+            self.check_token_ids(req.allowed_token_ids, "allowed_token_ids")
+        if not req.bad_words:
+            return []
+        variants = [v for word in req.bad_words for v in (word, f" {word.lstrip()}")]
+        words = await self.encode_many(variants, add_special_tokens=False)
+        return [list(ids) for ids in dict.fromkeys(tuple(w) for w in words if w)]
 
     def check_choices(self, num_prompts: int, n: int) -> None:
         """The cap on engine requests per HTTP request, checked before any tokenizing."""

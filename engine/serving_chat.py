@@ -40,8 +40,7 @@ class OpenAIServingChat:
         text = await serving.render_chat(req)
         prompt = Prompt(text, await serving.encode(text, req.add_special_tokens))
         job.prompts.append(prompt)
-        if req.stop_token_ids:
-            serving.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        bad_words = await serving.logit_rules(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request(
                 "top_logprobs: when using `top_logprobs`, `logprobs` must be set to true",
@@ -59,6 +58,7 @@ class OpenAIServingChat:
             max_tokens=max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             renames=renames,
+            bad_words_token_ids=bad_words,
         )
         params = fit_max_tokens(
             params,

@@ -38,9 +38,10 @@ class OpenAIServingCompletion:
             raise bad_request("echo together with logprobs is not supported", "echo")
         job = serving.new_job("completion", "cmpl", model, req.n, http)
         serving.check_choices(len(req.prompt), req.n)
-        if req.stop_token_ids:
-            serving.check_token_ids(req.stop_token_ids, "stop_token_ids")
-        params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+        bad_words = await serving.logit_rules(req)
+        params = sampling_params(
+            req, max_tokens=req.max_tokens, logprobs=req.logprobs, bad_words_token_ids=bad_words
+        )
         texts = [raw for raw in req.prompt if isinstance(raw, str)]
         encoded = iter(await serving.encode_many(texts) if texts else [])
         per_prompt = []

@@ -34,11 +34,13 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     renames: Mapping[str, str] | None = None,
+    bad_words_token_ids: list[list[int]] | None = None,
 ) -> SamplingParams:
     """Outputs come as deltas (a stream sends them as they are, a whole answer merges them).
     `logprobs`: how many alternatives each token reports (None: no
     logprobs). `renames`: SamplingParams' field -> the request's field, for error messages
-    about a field the request calls otherwise."""
+    about a field the request calls otherwise. `bad_words_token_ids`: the request's
+    bad_words as the serving layer tokenized them."""
     kwargs: dict[str, Any] = {
         name: getattr(req, name) for name in _OPTIONAL_SAMPLING if getattr(req, name) is not None
     }
@@ -54,6 +56,9 @@ def sampling_params(
             min_tokens=req.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()} or None,
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words_token_ids=bad_words_token_ids,
             output_kind=RequestOutputKind.DELTA,
             **kwargs,
         )

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from fleetllm.engine import kv_cache, sizing
+from fleetllm.engine import kv_cache, prompt_logprobs, sizing
 from fleetllm.engine.block_manager import KVCacheManager
 from fleetllm.engine.config import EngineConfig, ModelConfig, SpeculativeConfig, resolve_dtype
 from fleetllm.engine.executor import LocalExecutor, MultiprocExecutor, WorkerFailedError
 from fleetllm.engine.model import LlamaForCausalLM
 from fleetllm.engine.model_files import resolve_model
-from fleetllm.engine.model_runner import ModelRunner, StepBuilder
+from fleetllm.engine.model_runner import ModelRunner, PromptRows, StepBuilder
 from fleetllm.engine.parallel import check_tensor_parallel
 from fleetllm.engine.quantization import check_quantization
 from fleetllm.engine.request import Request, RequestOutput
@@ -295,12 +295,19 @@ class LLMEngine:
             return []
         num_scheduled = len(out.scheduled)
         failures: dict[str, Exception] = {}
-        logits, sampled = self._execute(out.scheduled, failures)
+        logits, sampled, prompt_rows = self._execute(out.scheduled, failures)
+        if prompt_rows:
+            n = len(logits) - len(prompt_rows)
+            for req, exc in prompt_logprobs.record(logits[n:], prompt_rows):
+                failures[req.request_id] = exc
+            logits = logits[:n]
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
         for s, tokens, logprobs, error in self._sample(logits, sampled):
             req = s.request
             kept = 0
+            if req.request_id in failures:
+                continue
             try:
                 if error is not None:
                     raise error
@@ -337,31 +344,33 @@ class LLMEngine:
 
     def _execute(
         self, batch: list[ScheduledRequest], failures: dict[str, Exception]
-    ) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+    ) -> tuple[torch.Tensor, list[ScheduledRequest], PromptRows]:
         """Run the batch; if that raises, run its requests one at a time, so the request that
         causes the error fails alone (recorded in `failures`) and the others still advance.
         Rerunning is safe: a request's new KV entries are simply written again. A lost
-        tensor-parallel rank is no request's fault: it escapes, failing the engine."""
+        tensor-parallel rank is no request's fault: it escapes, failing the engine. The
+        logits: the sampled rows, then the prompt rows."""
         fresh = self.kv.take_fresh_blocks()
         try:
-            step, sampled = self.step_builder.build(batch, fresh)
-            return self.executor.execute(step), sampled
+            step, sampled, prompt_rows = self.step_builder.build(batch, fresh)
+            return self.executor.execute(step), sampled, prompt_rows
         except WorkerFailedError:
             raise
         except Exception as exc:
             if len(batch) == 1:
                 failures[batch[0].request.request_id] = exc
-                return torch.empty(0), []
+                return torch.empty(0), [], PromptRows()
             log.warning(
                 "a step failed; running its requests one at a time",
                 extra={"requests": len(batch), "error": repr(exc)},
             )
         parts: list[torch.Tensor] = []
-        sampled = []
+        prompt_parts: list[torch.Tensor] = []
+        sampled, prompt_rows = [], PromptRows()
         for s in batch:
             try:
                 # The blocks first used in this step are zeroed once, before any is written.
-                step, rows = self.step_builder.build([s], fresh)
+                step, rows, prompts = self.step_builder.build([s], fresh)
                 fresh = range(0)
                 logits = self.executor.execute(step)
             except WorkerFailedError:
@@ -369,9 +378,13 @@ class LLMEngine:
             except Exception as exc:
                 failures[s.request.request_id] = exc
                 continue
-            parts.append(logits)
+            parts.append(logits[: len(logits) - len(prompts)])
+            prompt_parts.append(logits[len(logits) - len(prompts) :])
             sampled += rows
-        return (torch.cat(parts) if parts else torch.empty(0)), sampled
+            prompt_rows.requests.extend(prompts.requests)
+            prompt_rows.positions.extend(prompts.positions)
+        logits = torch.cat(parts + prompt_parts) if parts else torch.empty(0)
+        return logits, sampled, prompt_rows
 
     def _sample(
         self, logits: torch.Tensor, sampled: list[ScheduledRequest]
@@ -451,7 +464,7 @@ class LLMEngine:
             return  # no free block to probe with; the next step tells
         probe = Request(_PROBE_ID, None, [0], _PROBE_PARAMS, frozenset())
         try:
-            step, _ = self.step_builder.build(
+            step, _, _ = self.step_builder.build(
                 [ScheduledRequest(probe, 1, True)], self.kv.take_fresh_blocks()
             )
             logits = self.executor.execute(step)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from fleetllm.engine.kv_cache import KVCache
 from fleetllm.engine.model import LlamaForCausalLM
+from fleetllm.engine.request import Request
 from fleetllm.engine.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,18 @@ class StepInput:
         return [rid for rid, _ in self.decodes] + [rid for rid, _, _ in self.prefills]
 
 
+@dataclass(frozen=True)
+class PromptRows:
+    """The logits rows after the sampled ones that score prompt tokens (prompt_logprobs):
+    row j predicts prompt token `targets[j]` of request `requests[j]` at `positions[j]`."""
+
+    requests: list[Request] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+
 class StepBuilder:
     """Builds the `StepInput`s of one engine (its ranks see them in order), sending each
     request's block table whole once and then only what changed."""
@@ -63,10 +76,11 @@ class StepBuilder:
 
     def build(
         self, batch: list[ScheduledRequest], fresh_blocks: range
-    ) -> tuple[StepInput, list[ScheduledRequest]]:
-        """The step's input, and the requests that sample, in the order of their logits rows
-        (a request with draft tokens has one row per draft plus one). `fresh_blocks`: the
-        blocks to zero before the step writes any (`KVCacheManager.take_fresh_blocks`)."""
+    ) -> tuple[StepInput, list[ScheduledRequest], PromptRows]:
+        """The step's input, the requests that sample, in the order of their logits rows
+        (a request with draft tokens has one row per draft plus one), and the rows after
+        those that score prompt tokens. `fresh_blocks`: the blocks to zero before the step
+        writes any (`KVCacheManager.take_fresh_blocks`)."""
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
         for s in batch:
@@ -76,12 +90,23 @@ class StepBuilder:
         positions: list[int] = []
         logits_indices: list[int] = []
         sampled: list[ScheduledRequest] = []
+        prompt_rows, prompt_indices = PromptRows(), []
         for s in decodes + prefills:
             start = s.request.num_computed_tokens
             known = s.num_new_tokens - len(s.spec_token_ids)
             ids.extend(s.request.all_token_ids[start : start + known])
             ids.extend(s.spec_token_ids)  # draft tokens follow the last known token
             positions.extend(range(start, start + s.num_new_tokens))
+            req = s.request
+            if req.needs_prompt_logprobs:
+                # Position p's logits score prompt token p + 1; those not scored yet (a
+                # preempted request computes its prefill again).
+                first = max(start, len(req.prompt_logprobs or ()) - 1)
+                last = min(start + known, req.num_prompt_tokens - 1)
+                base = len(ids) - s.num_new_tokens - start
+                prompt_indices.extend(base + p for p in range(first, last))
+                prompt_rows.requests.extend([req] * max(0, last - first))
+                prompt_rows.positions.extend(range(first, last))
             if s.samples:
                 rows = 1 + len(s.spec_token_ids)
                 logits_indices.extend(range(len(ids) - rows, len(ids)))
@@ -95,10 +120,10 @@ class StepBuilder:
                 for s in prefills
             ],
             table_updates=self._table_updates([s.request.request_id for s in batch]),
-            logits_indices=logits_indices,
+            logits_indices=logits_indices + prompt_indices,
             fresh_blocks=(fresh_blocks.start, fresh_blocks.stop),
         )
-        return step, sampled
+        return step, sampled, prompt_rows
 
     def _table_updates(self, request_ids: list[str]) -> dict[str, tuple[int, list[int]]]:
         updates: dict[str, tuple[int, list[int]]] = {}

@@ -148,6 +148,7 @@ class _SamplingFields(OpenAIModel):
     ) = None
     bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     return_token_ids: Bool = False
+    prompt_logprobs: Logprobs | None = None
     # Prefix-cache blocks are shared only among requests with the same salt (vLLM's field):
     # tenants that must not learn about each other's prompts through cache timing use their own.
     cache_salt: NonEmptyStr | None = None
@@ -162,7 +163,8 @@ Prompt = str | list[int]
 
 class CompletionRequest(_SamplingFields):
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
-    max_tokens: PositiveTokens | None = 16
+    # 0 only with `echo`: the prompt back, scored (lm-evaluation-harness's loglikelihood).
+    max_tokens: Annotated[Int, Field(ge=0)] | None = 16
     logprobs: Logprobs | None = None
     echo: Bool = False
     suffix: Str | None = None

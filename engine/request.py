@@ -67,6 +67,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
     error: str | None = None  # why the engine failed this request (finish_reason 'error')
+    # One entry per prompt token (None for the first), when prompt_logprobs was asked for;
+    # a DELTA request gets them in its first output only.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class Request:
@@ -101,6 +104,11 @@ class Request:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # Filled position by position as the prefill computes them (engine.prompt_logprobs).
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self._prompt_logprobs_sent = False
         self.token_counts: TokenCounts | None = None  # for penalties, built on first use
         # Text released to the caller, in pieces: since the previous output for DELTA
         # requests, all of it otherwise (joined, and collapsed to one piece, per output).
@@ -115,6 +123,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: its prefill cannot start from
+        cached blocks, whose logits were never computed for it."""
+        done = self.prompt_logprobs
+        return done is not None and len(done) < len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -166,6 +181,10 @@ class Request:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
+        prompt_logprobs = self.prompt_logprobs
+        if kind is RequestOutputKind.DELTA:
+            prompt_logprobs = None if self._prompt_logprobs_sent else prompt_logprobs
+            self._prompt_logprobs_sent = True
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -174,6 +193,7 @@ class Request:
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -194,4 +214,5 @@ def merge_deltas(deltas: Sequence[RequestOutput]) -> RequestOutput:
         token_ids=token_ids,
         logprobs=logprobs,
     )
-    return dataclasses.replace(last, outputs=[completion])
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)
+    return dataclasses.replace(last, outputs=[completion], prompt_logprobs=prompt_logprobs)

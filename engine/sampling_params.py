@@ -41,6 +41,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the model's length limit
     min_tokens: int = 0
     logprobs: int | None = None  # top-n logprobs returned for each sampled token
+    # Top-n logprobs of each prompt token from the prefill (vLLM's prompt_logprobs); the first
+    # token has none.
+    prompt_logprobs: int | None = None
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias, [-100, 100]).
     logit_bias: dict[int, float] | None = None
     # Only these token ids may be sampled (vLLM's allowed_token_ids).
@@ -137,6 +140,10 @@ class SamplingParams:
         for word in self.bad_words_token_ids or ():
             if not word or any(integer("bad_words", t) < 0 for t in word):
                 fail("bad_words", f"must tokenize to non-empty token lists, got {word!r}")
+        if self.prompt_logprobs is not None and not (
+            0 <= integer("prompt_logprobs", self.prompt_logprobs) <= MAX_LOGPROBS
+        ):
+            fail("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
         stop = self.stop

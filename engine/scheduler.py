@@ -111,7 +111,11 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req.request_id, req.all_token_ids, req.cache_salt)
+            cached = (
+                []
+                if req.needs_prompt_logprobs
+                else self.kv.find_cached_prefix(req.request_id, req.all_token_ids, req.cache_salt)
+            )
             num_cached = len(cached) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate(req.request_id, num_cached + num_new, cached):

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from fleetllm.engine import serving_prompt_logprobs as prompt_logprobs
 from fleetllm.engine.protocol import ChatCompletionRequest
 from fleetllm.engine.request import CompletionOutput, Logprob
 from fleetllm.engine.serving_base import (
@@ -59,6 +60,7 @@ class OpenAIServingChat:
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             renames=renames,
             bad_words_token_ids=bad_words,
+            prompt_logprobs=prompt_logprobs.wanted(req),
         )
         params = fit_max_tokens(
             params,
@@ -89,6 +91,10 @@ class OpenAIServingChat:
                 )
             )
         body = serving.body(job, OBJECT, choices, usage=job.usage())
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs.vllm_shape(
+                outputs[0].prompt_logprobs, serving.token_str
+            )
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt.token_ids
         return JSONResponse(body)

@@ -3,6 +3,7 @@ offsets, over the shared serving base."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -10,8 +11,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from fleetllm.engine import serving_prompt_logprobs as prompt_logprobs
 from fleetllm.engine.protocol import CompletionRequest
-from fleetllm.engine.request import CompletionOutput, Logprob
+from fleetllm.engine.request import CompletionOutput, Logprob, RequestOutput
 from fleetllm.engine.serving_base import (
     CLIENT_CLOSED,
     MIN_LOGPROB,
@@ -34,13 +36,23 @@ class OpenAIServingCompletion:
     async def create_completion(self, req: CompletionRequest, http: Request) -> Response:
         serving = self.serving
         model = serving.models.resolve(req.model)
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported", "echo")
+        prompt_n = prompt_logprobs.wanted(req)
+        # max_tokens 0 scores the prompt and generates nothing: the engine samples the one
+        # token a prefill ends with, and the answer leaves it out.
+        score_only = req.max_tokens == 0
+        if score_only and not req.echo:
+            raise bad_request("max_tokens: 0 is accepted only with echo", "max_tokens")
+        if score_only and req.stream:
+            raise bad_request("max_tokens: 0 is accepted in whole answers only", "max_tokens")
         job = serving.new_job("completion", "cmpl", model, req.n, http)
         serving.check_choices(len(req.prompt), req.n)
         bad_words = await serving.logit_rules(req)
         params = sampling_params(
-            req, max_tokens=req.max_tokens, logprobs=req.logprobs, bad_words_token_ids=bad_words
+            req,
+            max_tokens=1 if score_only else req.max_tokens,
+            logprobs=req.logprobs,
+            bad_words_token_ids=bad_words,
+            prompt_logprobs=prompt_n,
         )
         texts = [raw for raw in req.prompt if isinstance(raw, str)]
         encoded = iter(await serving.encode_many(texts) if texts else [])
@@ -63,19 +75,51 @@ class OpenAIServingCompletion:
         choices = []
         for index, out in enumerate(outputs):
             c = out.outputs[0]
-            prompt = job.prompts[index // job.n]
-            ids = {"prompt_token_ids": prompt.token_ids, "token_ids": c.token_ids}
-            choices.append(
-                choice(
-                    index,
-                    {"text": _echo(serving, req, prompt) + c.text},
-                    logprobs=None if c.logprobs is None else self.logprobs(c.token_ids, c.logprobs),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                    token_ids=ids if req.return_token_ids else None,
+            if score_only:
+                c = dataclasses.replace(
+                    c, text="", token_ids=[], logprobs=None if c.logprobs is None else []
                 )
+            prompt = job.prompts[index // job.n]
+            echo = _echo(serving, req, prompt)
+            ids = {"prompt_token_ids": prompt.token_ids, "token_ids": c.token_ids}
+            body = choice(
+                index,
+                {"text": echo + c.text},
+                logprobs=self._choice_logprobs(req, prompt, out, c, len(echo)),
+                finish_reason="length" if score_only else c.finish_reason,
+                stop_reason=None if score_only else c.stop_reason,
+                token_ids=ids if req.return_token_ids else None,
             )
-        return JSONResponse(serving.body(job, OBJECT, choices, usage=job.usage()))
+            if req.prompt_logprobs is not None:
+                body["prompt_logprobs"] = prompt_logprobs.vllm_shape(
+                    out.prompt_logprobs, serving.token_str
+                )
+            choices.append(body)
+        usage = job.usage()
+        if score_only:
+            usage["total_tokens"] -= usage["completion_tokens"]
+            usage["completion_tokens"] = 0
+        return JSONResponse(serving.body(job, OBJECT, choices, usage=usage))
+
+    def _choice_logprobs(
+        self,
+        req: CompletionRequest,
+        prompt: Prompt,
+        out: RequestOutput,
+        c: CompletionOutput,
+        echo_len: int,
+    ) -> dict[str, Any] | None:
+        """A whole choice's `logprobs`: under `echo`, the prompt's tokens first."""
+        if c.logprobs is None:
+            return None
+        generated = self.logprobs(c.token_ids, c.logprobs, echo_len)
+        if not req.echo or out.prompt_logprobs is None:
+            return generated
+        assert req.logprobs is not None
+        lead = prompt_logprobs.echoed(
+            prompt.token_ids, out.prompt_logprobs, req.logprobs, self.serving.token_str
+        )
+        return {key: lead[key] + generated[key] for key in lead}
 
     def logprobs(
         self, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], offset: int = 0

@@ -35,6 +35,7 @@ def sampling_params(
     logprobs: int | None,
     renames: Mapping[str, str] | None = None,
     bad_words_token_ids: list[list[int]] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Outputs come as deltas (a stream sends them as they are, a whole answer merges them).
     `logprobs`: how many alternatives each token reports (None: no
@@ -59,6 +60,7 @@ def sampling_params(
             logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()} or None,
             allowed_token_ids=req.allowed_token_ids,
             bad_words_token_ids=bad_words_token_ids,
+            prompt_logprobs=prompt_logprobs,
             output_kind=RequestOutputKind.DELTA,
             **kwargs,
         )

@@ -71,7 +71,7 @@ BAD: list[tuple[str, str, Any]] = [
     ("n-a-float", C, {"prompt": "hi", "n": 1.5}),
     ("stop-a-number", C, {"prompt": "hi", "stop": 7}),
     ("stream-options-wrong", C, {"prompt": "hi", "stream": True, "stream_options": []}),
-    ("echo-with-logprobs", C, {"prompt": "hi", "echo": True, "logprobs": 1}),
+    ("prompt-logprobs-huge", C, {"prompt": "hi", "prompt_logprobs": 10**6}),
     ("response-format-json", CC, {"messages": CHAT, "response_format": {"type": "json_object"}}),
     ("chat-template-kwargs-list", CC, {"messages": CHAT, "chat_template_kwargs": []}),
 ]

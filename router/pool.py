@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from fleetllm.httpread import TooLarge, read_bounded
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import (
     Discovery,
@@ -40,9 +41,12 @@ from fleetllm.router.strategies import (
     round_robin,
     stable_hash,
 )
-from fleetllm.scrape import EngineSample, ScrapeError, fetch_metrics
+from fleetllm.scrape import EngineSample, MetricsTooLarge, ScrapeError, fetch_metrics
 
 log = logging.getLogger("fleetllm.router")
+
+HEALTH_MAX_BYTES = 64 * 1024
+"""An engine's /health answer is a few bytes; one far larger is a failed check."""
 
 
 @dataclass
@@ -256,11 +260,23 @@ class ReplicaPool:
         assert self._session is not None
         replica = pooled.replica
         while True:
-            healthy, sample = await scrape_replica(
-                self._session, replica.url, self.settings.scrape_timeout
-            )
             was_up = replica.available(time.monotonic())
-            replica.record_scrape(healthy, sample)
+            try:
+                healthy, sample = await scrape_replica(
+                    self._session,
+                    replica.url,
+                    self.settings.scrape_timeout,
+                    self.settings.max_metrics_bytes,
+                )
+                replica.record_scrape(healthy, sample)
+            except MetricsTooLarge as exc:
+                # A replica that answers /metrics with more than the cap misbehaves: it is
+                # backed off (longer at each scrape in a row) rather than trusted with traffic.
+                if was_up:
+                    log.warning("replica %s of %s backed off: %s", replica.url, replica.model, exc)
+                replica.record_failure(
+                    time.monotonic(), self.settings.backoff_base, self.settings.backoff_max
+                )
             self.refresh_up(model, pooled)
             if was_up != replica.available(time.monotonic()):
                 log.info(
@@ -334,13 +350,16 @@ class ReplicaPool:
 
 
 async def scrape_replica(
-    session: aiohttp.ClientSession, url: str, timeout: float
+    session: aiohttp.ClientSession, url: str, timeout: float, max_bytes: int
 ) -> tuple[bool, EngineSample | None]:
-    """One look at a replica: whether /health answers 200, and if so its load."""
+    """One look at a replica: whether /health answers 200, and if so its load. Raises
+    MetricsTooLarge for a /metrics over `max_bytes`."""
     if not await check_health(session, url, aiohttp.ClientTimeout(total=timeout)):
         return False, None
     try:
-        return True, await fetch_metrics(session, url, timeout)
+        return True, await fetch_metrics(session, url, timeout, max_bytes=max_bytes)
+    except MetricsTooLarge:
+        raise
     except ScrapeError:
         return True, None
 
@@ -350,7 +369,7 @@ async def check_health(
 ) -> bool:
     try:
         async with session.get(url + "/health", timeout=timeout) as r:
-            await r.read()
+            await read_bounded(r, HEALTH_MAX_BYTES)
             return r.status == 200
-    except (aiohttp.ClientError, TimeoutError):
+    except (aiohttp.ClientError, TimeoutError, TooLarge):
         return False

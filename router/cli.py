@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 ADMIN_KEY_ENV = "FLEETLLM_ROUTER_ADMIN_KEY"
 UPSTREAM_KEY_ENV = "FLEETLLM_UPSTREAM_API_KEY"
+CACHE_SALT_ENV = "FLEETLLM_ROUTER_CACHE_SALT_SECRET"
+"""The key of the per-tenant cache salts; router replicas that share it share caches."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -113,6 +115,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--scrape-interval", type=float, default=d.scrape_interval)
     g.add_argument(
+        "--max-metrics-bytes",
+        type=int,
+        default=d.max_metrics_bytes,
+        help="a replica's /metrics past this is refused and the replica backed off",
+    )
+    g.add_argument(
+        "--max-answer-bytes",
+        type=int,
+        default=d.max_answer_bytes,
+        help="a non-streamed answer past this is refused (502) and the replica backed off",
+    )
+    g.add_argument(
+        "--max-event-bytes",
+        type=int,
+        default=d.max_event_bytes,
+        help="one stream event past this is refused (502) and the replica backed off",
+    )
+    g.add_argument(
         "--upstream-api-key",
         default=os.environ.get(UPSTREAM_KEY_ENV),
         help=f"bearer key for the replicas (env {UPSTREAM_KEY_ENV})",
@@ -153,6 +173,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="default requests one key may have open at once",
     )
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    g.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=d.max_inflight_requests,
+        help="requests open at once, all keys together; past it 503 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-inflight-bytes",
+        type=int,
+        default=d.max_inflight_bytes,
+        help="request bodies held at once, all keys together; past it 503 (default: %(default)s)",
+    )
     g.add_argument(
         "--client-header-timeout",
         type=float,
@@ -205,6 +237,12 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         client_header_timeout=args.client_header_timeout,
         client_body_timeout=args.client_body_timeout,
         upstream_api_key=args.upstream_api_key or None,
+        max_metrics_bytes=args.max_metrics_bytes,
+        max_answer_bytes=args.max_answer_bytes,
+        max_event_bytes=args.max_event_bytes,
+        max_inflight_requests=args.max_inflight_requests,
+        max_inflight_bytes=args.max_inflight_bytes,
+        cache_salt_secret=os.environ.get(CACHE_SALT_ENV, "").encode(),
     )
 
 

@@ -330,7 +330,7 @@ class Proxy:
                         return _Failure(error, _event_data(first), "application/json")
             except (TooLarge, EventTooLarge) as exc:
                 # A replica that sends more than the router will hold misbehaves.
-                outcome = "too_large"
+                outcome = "error"  # no complete answer came
                 lease.failed()
                 body = error_json(502, f"The replica's answer was refused: {exc}.")
                 return _Failure(502, body, "application/json")

@@ -52,8 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--namespace",
         action="append",
         help="kubernetes: namespace to watch, repeatable (default: the pod's own, else all; "
-        "with several, model ids become NAMESPACE/MODEL and plain names reach the first); "
-        "with --all-namespaces, the home namespace whose models plain model names reach first",
+        "with several, model ids become NAMESPACE/MODEL)",
     )
     g.add_argument(
         "--all-namespaces",
@@ -158,12 +157,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--api-keys-file",
         type=Path,
         help="one key per line, or YAML `keys: [{name, key, requestsPerMinute, "
-        "tokensPerMinute}]`; reloaded on change",
+        "tokensPerMinute, maxConcurrentRequests, models, namespaces, tenant}]`; reloaded on "
+        "change",
     )
     g.add_argument(
         "--api-keys-secret",
         metavar="[NAMESPACE/]NAME",
-        help="a Kubernetes Secret whose every data entry is a key",
+        help="a Kubernetes Secret whose every data entry is a key (an entry named *.yaml: "
+        "the YAML form)",
     )
     g.add_argument("--rate-limit-rpm", type=int, help="default requests per minute per key")
     g.add_argument("--rate-limit-tpm", type=int, help="default tokens per minute per key")
@@ -171,6 +172,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-concurrent-per-key",
         type=int,
         help="default requests one key may have open at once",
+    )
+    g.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="serve /metrics without a key even when keys are on (it names every model, "
+        "namespace and replica address: keep it off the Ingress)",
     )
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     g.add_argument(
@@ -278,9 +285,12 @@ def _serve(args: argparse.Namespace) -> int:
         assert kube is not None
         namespaces = args.namespace or ([own_namespace] if own_namespace else [])
         if args.all_namespaces:
-            if len(namespaces) > 1:
-                raise ValueError("--all-namespaces takes one --namespace at most (the home one)")
-            discovery = KubernetesDiscovery(kube, None, namespaces[0] if namespaces else None)
+            if args.namespace:
+                raise ValueError(
+                    "--all-namespaces takes no --namespace: plain model names reach a model "
+                    "only where one namespace in the key's scope serves it"
+                )
+            discovery = KubernetesDiscovery(kube, None)
         else:
             discovery = KubernetesDiscovery(kube, namespaces or None)
     else:
@@ -315,6 +325,7 @@ def _serve(args: argparse.Namespace) -> int:
         default_concurrency=args.max_concurrent_per_key,
         admin_key=args.admin_key or None,
         log_requests=not args.no_request_log,
+        public_metrics=args.public_metrics,
     )
     run = asyncio.run
     try:

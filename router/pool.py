@@ -26,12 +26,18 @@ from fleetllm.router.discovery import (
     ModelRoute,
     discovery_summary,
     has_credentials,
-    missing_model_message,
 )
 from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldQueue
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.replicas import Replica
+from fleetllm.router.scopes import (
+    EVERYTHING,
+    Scope,
+    ambiguous_message,
+    missing_message,
+    resolve,
+)
 from fleetllm.router.strategies import (
     HashRing,
     bounded_prefix,
@@ -178,12 +184,16 @@ class ReplicaPool:
 
     # -- the fleet ---------------------------------------------------------------------------
 
-    def resolve(self, requested: str) -> ModelPool:
-        """The model a client's `model` names, by id or alias; 404 otherwise."""
-        model = self.models.get(requested) or self.models.get(self.aliases.get(requested, ""))
-        if model is None:
-            raise RouterError(404, missing_model_message(requested, self.models), "model")
-        return model
+    def resolve(self, requested: str, scope: Scope = EVERYTHING) -> ModelPool:
+        """The model a client's `model` names within its key's scope (see `scopes`); 404,
+        the same for a model out of scope as for one that does not exist, otherwise."""
+        routes = {name: model.route for name, model in self.models.items()}
+        found = resolve(requested, routes, self.aliases, scope)
+        if isinstance(found, list):
+            raise RouterError(404, ambiguous_message(requested, found), "model")
+        if found is None:
+            raise RouterError(404, missing_message(requested), "model")
+        return self.models[found]
 
     def apply_fleet(self, fleet: Fleet) -> None:
         """Adopt what discovery reports: models and replicas come and go; a replica that

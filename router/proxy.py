@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,15 +28,17 @@ from aiohttp import web
 from fleetllm.errors import error_json
 from fleetllm.httpread import TooLarge, read_bounded
 from fleetllm.router.access import Access
-from fleetllm.router.auth import ApiKey
+from fleetllm.router.auth import ApiKey, tenant_of
 from fleetllm.router.body import read_body
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldRejected
+from fleetllm.router.inflight import InFlight
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.outcomes import Verdict, classify
 from fleetllm.router.pool import Lease, ModelPool, ReplicaPool
 from fleetllm.router.replicas import Replica
+from fleetllm.router.scopes import EVERYTHING
 from fleetllm.router.sse import (
     SSE_END,
     EventSplitter,
@@ -128,6 +133,10 @@ class Proxy:
         self.access = access
         self.metrics = metrics
         self.log_requests = log_requests
+        self.inflight = InFlight(settings.max_inflight_requests, settings.max_inflight_bytes)
+        # Router replicas that share the secret give a tenant the same salt (and so share
+        # its cache across them); without one, each process picks its own.
+        self._salt_secret = settings.cache_salt_secret or os.urandom(32)
         self._session: aiohttp.ClientSession | None = None
         self._upstream_headers = {"Content-Type": "application/json"}
         if settings.upstream_api_key:
@@ -174,10 +183,25 @@ class Proxy:
 
     async def _serve(self, ctx: _Context) -> web.StreamResponse:
         request = ctx.request
+        settings = self.settings
         ctx.key = self.access.authenticate(request.headers.get("Authorization"))
-        ctx.body = await read_body(
-            request, self.settings.max_body_bytes, self.settings.client_body_timeout
-        )
+        with self.inflight.hold(
+            min(request.content_length or settings.max_body_bytes, settings.max_body_bytes)
+        ) as held:
+            ctx.body = await read_body(
+                request, settings.max_body_bytes, settings.client_body_timeout
+            )
+            held.resize(len(ctx.body))
+            model = self._parse(ctx)
+            held.resize(len(ctx.body))
+            admitted = self.access.admitted(ctx.key) if ctx.key else contextlib.nullcontext()
+            with admitted:
+                ctx.routed = True
+                return await self._route(model, ctx)
+
+    def _parse(self, ctx: _Context) -> ModelPool:
+        """The model the body names, within the key's scope; the body as the replicas get it
+        (the engines' name for the model, the tenant's cache salt)."""
         try:
             payload = json.loads(ctx.body)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -190,17 +214,24 @@ class Proxy:
         name = payload.get("model")
         if not isinstance(name, str) or not name:
             raise RouterError(400, "`model` is required and must be a string.", "model")
-        model = self.pool.resolve(name)
+        model = self.pool.resolve(name, ctx.key.scope if ctx.key else EVERYTHING)
+        changes: dict[str, Any] = {}
         served = model.route.served_name
         if served and served != name:
             # An alias or a namespace-qualified id: the engines know the served name.
-            ctx.payload = {**payload, "model": served}
+            changes["model"] = served
+        if ctx.key is not None and "cache_salt" not in payload:
+            # Prefix-cache hits are observable (time to first token, cached_tokens): without
+            # a salt per tenant, one key could tell which prompts another has sent.
+            changes["cache_salt"] = self._cache_salt(tenant_of(ctx.key))
+        if changes:
+            ctx.payload = {**payload, **changes}
             ctx.body = json.dumps(ctx.payload).encode()
         ctx.model = model.name
-        admitted = self.access.admitted(ctx.key) if ctx.key else contextlib.nullcontext()
-        with admitted:
-            ctx.routed = True
-            return await self._route(model, ctx)
+        return model
+
+    def _cache_salt(self, tenant: str) -> str:
+        return hmac.new(self._salt_secret, tenant.encode(), hashlib.sha256).hexdigest()
 
     def _finish(self, ctx: _Context, status: int) -> None:
         """Account for an answer (or a client that left first): metrics, the key's token

@@ -69,7 +69,7 @@ class RouterSettings:
 
     # What all clients together may make the router hold (over a cap: 503 + Retry-After).
     max_inflight_requests: int = 4096
-    max_inflight_bytes: int = 512 * MiB
+    max_inflight_bytes: int = 256 * MiB
     """Request bodies being read, held or relayed, together."""
 
     cache_salt_secret: bytes = b""

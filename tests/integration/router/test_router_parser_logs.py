@@ -17,8 +17,7 @@ PROMPT = "the-private-prompt-text"
 
 def _send_raw(port: int, data: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(data)
-        s.shutdown(socket.SHUT_WR)
+        s.sendall(data)  # no half-close: the router answers, then closes the connection
         answer = b""
         while chunk := s.recv(65536):
             answer += chunk
@@ -38,8 +37,8 @@ def test_malformed_requests_become_one_rate_limited_warning(
         + f"Authorization: Bearer {SECRET}\nContent-Length: {len(body)}\n\n".encode()
         + body
     )
-    answers = [_send_raw(router.port, raw) for _ in range(5)]
-    assert answers[0].split(b"\r\n")[0].endswith(b" 400 Bad Request")
+    for _ in range(5):
+        assert _send_raw(router.port, raw).split(b"\r\n")[0].endswith(b" 400 Bad Request")
     router.stop()
     lines = [json.loads(line) for line in router.log_text().splitlines() if line.startswith("{")]
     refused = [line for line in lines if line["msg"] == "malformed HTTP request refused"]

@@ -216,9 +216,10 @@ class Proxy:
             raise RouterError(400, "`model` is required and must be a string.", "model")
         model = self.pool.resolve(name, ctx.key.scope if ctx.key else EVERYTHING)
         changes: dict[str, Any] = {}
-        served = model.route.served_name
-        if served and served != name:
-            # An alias or a namespace-qualified id: the engines know the served name.
+        served = model.route.served_name or model.name
+        if served != name:
+            # An alias, a namespace-qualified id or a plain name of one: the engines know the
+            # served name (a static fleet's engines serve its ids as they are).
             changes["model"] = served
         if ctx.key is not None and "cache_salt" not in payload:
             # Prefix-cache hits are observable (time to first token, cached_tokens): without

@@ -6,11 +6,13 @@ router salts it per tenant; the engine reports `usage.prompt_tokens_details.cach
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-from router_testkit import EngineFleet, Process, write_fleet
+import pytest
+from router_testkit import EngineFleet, Process, engine_args, write_fleet
 
 GUARD = 120.0
 
@@ -57,25 +59,38 @@ def _cached(response: httpx.Response) -> int:
     return cached
 
 
-def _router(engines: EngineFleet, start_router: Any, tmp_path: Path) -> Process:
+@pytest.fixture(scope="module")
+def shared(
+    model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Process]:
+    """One engine that serves both teams' `chat` (a static fleet sends its ids as they are):
+    every request of a test meets the same prefix cache."""
+    args = engine_args(model_dirs["alpha"], "team-a/chat")
+    at = args.index("team-a/chat") + 1
+    engine = Process(
+        [*args[:at], "team-b/chat", *args[at:]], tmp_path_factory.mktemp("shared") / "e.log"
+    )
+    try:
+        engine.wait_healthy()
+        yield engine
+    finally:
+        engine.close()
+
+
+def _router(engines: EngineFleet, shared: Process, start_router: Any, tmp_path: Path) -> Process:
     fleet_file, keys_file = tmp_path / "fleet.json", tmp_path / "keys.yaml"
-    # One replica per model, so that every request of a test meets the same prefix cache.
     write_fleet(
         fleet_file,
-        {
-            "team-a/chat": [engines.alpha[2].url],
-            "team-b/chat": [engines.alpha[2].url],
-            "beta": [engines.beta.url],
-        },
+        {"team-a/chat": [shared.url], "team-b/chat": [shared.url], "beta": [engines.beta.url]},
     )
     keys_file.write_text(KEYS)
     return start_router("--fleet-file", str(fleet_file), "--api-keys-file", str(keys_file))
 
 
 def test_a_key_reaches_only_its_scope_and_learns_nothing_of_the_rest(
-    engines: EngineFleet, start_router: Any, tmp_path: Path
+    engines: EngineFleet, shared: Process, start_router: Any, tmp_path: Path
 ) -> None:
-    router = _router(engines, start_router, tmp_path)
+    router = _router(engines, shared, start_router, tmp_path)
     assert _models(router, "sk-a-one-0123456789") == ["team-a/chat"]
     assert _models(router, "sk-beta-0123456789") == ["beta"]
     assert _models(router, "sk-ops-0123456789") == ["beta", "team-a/chat", "team-b/chat"]
@@ -105,9 +120,9 @@ def test_a_key_reaches_only_its_scope_and_learns_nothing_of_the_rest(
 
 
 def test_a_tenant_shares_its_prefix_cache_and_no_other_tenant_hits_it(
-    engines: EngineFleet, start_router: Any, tmp_path: Path
+    engines: EngineFleet, shared: Process, start_router: Any, tmp_path: Path
 ) -> None:
-    router = _router(engines, start_router, tmp_path)
+    router = _router(engines, shared, start_router, tmp_path)
     # Both keys of team-a are one tenant: the second hits what the first cached.
     assert _cached(_post(router, "sk-a-one-0123456789", "team-a/chat")) == 0
     assert _cached(_post(router, "sk-a-two-0123456789", "team-a/chat")) > 0

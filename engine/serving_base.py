@@ -102,8 +102,7 @@ class Job:
         choice: the others of an `n` share its blocks), as `prompt_tokens` counts them."""
         if self.stream is None:
             return 0
-        firsts = self.stream.last[:: self.n] if self.n else []
-        return sum(o.num_cached_tokens for o in firsts if o is not None)
+        return sum(o.num_cached_tokens for o in self.stream.last[:: self.n] if o is not None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,7 +92,8 @@ class ParserErrors(logging.Filter):
         peer = record.args[0] if isinstance(record.args, tuple) and record.args else None
         record.__dict__.update(status=status, peer=peer, suppressed=self._dropped)
         record.msg, record.args = "malformed HTTP request refused", ()
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        if record.levelno > logging.WARNING:  # a debug report (aiohttp's for non-HTTP) stays one
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
         record.exc_info = record.exc_text = None
         record.stack_info = None
         self._last, self._dropped = now, 0

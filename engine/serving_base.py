@@ -92,14 +92,22 @@ class Job:
         """Each choice's latest output, for its metadata (metrics, finish reason)."""
         return [o for o in self.stream.last if o is not None] if self.stream else []
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt = sum(len(p.token_ids) for p in self.prompts)
         completion = sum(self.stream.num_output_tokens) if self.stream else 0
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens()},
         }
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted once per prompt (by its first
+        choice: the others of an `n` share its blocks), as `prompt_tokens` counts them."""
+        if self.stream is None:
+            return 0
+        return sum(o.num_cached_tokens for o in self.stream.last[:: self.n] if o is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,7 +473,7 @@ class OpenAIServing:
             "n": len(job.stream.requests) if job.stream else 0,
             "prompt_tokens": usage["prompt_tokens"],
             "completion_tokens": usage["completion_tokens"],
-            "cached_tokens": sum(o.num_cached_tokens for o in outputs[: len(job.prompts)]),
+            "cached_tokens": job.cached_tokens(),
             "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
             "queue_time_s": _elapsed(m.arrival_time, m.first_scheduled_time) if m else None,
             "ttft_s": _elapsed(m.arrival_time, m.first_token_time) if m else None,

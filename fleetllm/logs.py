@@ -65,6 +65,57 @@ class JSONFormatter(logging.Formatter):
         return json.dumps(entry, default=str, ensure_ascii=False)
 
 
+PARSER_ERROR_INTERVAL_S = 10.0
+"""At most one parser-error line per this many seconds per server logger; the rest are counted."""
+
+
+class ParserErrors(logging.Filter):
+    """Turns the HTTP servers' reports of a request they could not parse (aiohttp logs the
+    exception at ERROR, whose text quotes the raw bytes: a key or a prompt with them) into one
+    WARNING line with the status and the peer and never the bytes, at most one per interval
+    (a client sending garbage in a loop cannot flood the log)."""
+
+    def __init__(self, interval: float = PARSER_ERROR_INTERVAL_S) -> None:
+        super().__init__()
+        self.interval = interval
+        self._last = -interval
+        self._dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        status = _parser_error_status(record)
+        if status is None:
+            return True
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            self._dropped += 1
+            return False
+        peer = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        record.__dict__.update(status=status, peer=peer, suppressed=self._dropped)
+        record.msg, record.args = "malformed HTTP request refused", ()
+        if record.levelno > logging.WARNING:  # a debug report (aiohttp's for non-HTTP) stays one
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info = record.exc_text = None
+        record.stack_info = None
+        self._last, self._dropped = now, 0
+        return True
+
+
+def _parser_error_status(record: logging.LogRecord) -> int | None:
+    """The status answered for a parser error record (None: not one)."""
+    if record.name == "uvicorn.error" and record.msg == "Invalid HTTP request received.":
+        return 400
+    exc = record.exc_info[1] if record.exc_info else None
+    if exc is None or not any(c.__name__ == "HttpProcessingError" for c in type(exc).__mro__):
+        return None
+    code = getattr(exc, "code", 400)
+    return code if isinstance(code, int) else 400
+
+
+# The loggers of the HTTP servers fleetllm runs (aiohttp: the router, the local fleet;
+# uvicorn: the engine).
+_SERVER_LOGGERS = ("aiohttp.server", "uvicorn.error")
+
+
 def configure_logging(
     level: str = "info", *, include_text: bool = False, stream: TextIO | None = None
 ) -> None:
@@ -74,3 +125,7 @@ def configure_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for name in _SERVER_LOGGERS:
+        server = logging.getLogger(name)
+        server.filters[:] = [f for f in server.filters if not isinstance(f, ParserErrors)]
+        server.addFilter(ParserErrors())

@@ -6,7 +6,9 @@ both: the load gauges `vllm:num_requests_running`, `vllm:num_requests_waiting`,
 histogram `vllm:request_queue_time_seconds`.
 
 `parse_metrics` is pure (text in, `EngineSample` out); `fetch_metrics` and `scrape_all` do the
-HTTP, directly against each replica (no Prometheus), concurrently and with a timeout.
+HTTP, directly against each replica (no Prometheus), concurrently, with a timeout and a cap on
+the size of an exposition (`MAX_METRICS_BYTES` by default: an engine's is a few KiB, and one
+that sends more must not take the scraper's memory with it).
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from fleetllm.httpread import MiB, TooLarge, read_bounded
+
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
 """vLLM before v1 named the KV gauge after the GPU; pods of those versions still run."""
 QUEUE_TIME = "vllm:request_queue_time_seconds"
+MAX_METRICS_BYTES = 4 * MiB
 
 _GAUGES = (RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD)
 _HISTOGRAM_PARTS = {f"{QUEUE_TIME}_bucket", f"{QUEUE_TIME}_sum", f"{QUEUE_TIME}_count"}
@@ -34,6 +39,10 @@ _LE = re.compile(r'(?:^|[{,\s])le="([^"]*)"')
 
 class ScrapeError(Exception):
     """A replica's /metrics could not be read (unreachable, timeout, HTTP error)."""
+
+
+class MetricsTooLarge(ScrapeError):
+    """A replica's /metrics is larger than the cap: the replica misbehaves."""
 
 
 @dataclass(frozen=True)
@@ -161,8 +170,10 @@ async def fetch_metrics(
     base_url: str,
     timeout: float,
     headers: Mapping[str, str] | None = None,
+    max_bytes: int = MAX_METRICS_BYTES,
 ) -> EngineSample:
-    """GET `base_url`/metrics and parse it; ScrapeError when it cannot be read in time."""
+    """GET `base_url`/metrics and parse it; ScrapeError when it cannot be read in time,
+    MetricsTooLarge past `max_bytes` (the connection is dropped, not read to its end)."""
     try:
         async with session.get(
             base_url.rstrip("/") + "/metrics",
@@ -171,7 +182,9 @@ async def fetch_metrics(
         ) as response:
             if response.status != 200:
                 raise ScrapeError(f"{base_url}/metrics: HTTP {response.status}")
-            text = await response.text()
+            text = (await read_bounded(response, max_bytes)).decode("utf-8")
+    except TooLarge as exc:
+        raise MetricsTooLarge(f"{base_url}/metrics: {exc}") from None
     except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError, ValueError) as exc:
         raise ScrapeError(f"{base_url}/metrics: {type(exc).__name__}: {exc}") from None
     return parse_metrics(text, time.monotonic())
@@ -182,13 +195,15 @@ async def scrape_all(
     base_urls: Iterable[str],
     timeout: float,
     headers: Mapping[str, str] | None = None,
+    max_bytes: int = MAX_METRICS_BYTES,
 ) -> dict[str, EngineSample | None]:
-    """Every replica at once; None for one that could not be read within `timeout`."""
+    """Every replica at once; None for one that could not be read within `timeout` (or
+    sent more than `max_bytes`)."""
     urls = list(dict.fromkeys(base_urls))
 
     async def one(url: str) -> EngineSample | None:
         try:
-            return await fetch_metrics(session, url, timeout, headers)
+            return await fetch_metrics(session, url, timeout, headers, max_bytes)
         except ScrapeError:
             return None
 

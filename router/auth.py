@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from fleetllm.router.scopes import EVERYTHING, Scope
+
 
 @dataclass(frozen=True)
 class ApiKey:
@@ -27,6 +29,20 @@ class ApiKey:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
+    scope: Scope = EVERYTHING
+    """The models the key may reach (see `scopes`)."""
+    tenant: str | None = None
+    """Whose prefix cache its requests share (see `tenant_of`)."""
+
+
+def tenant_of(key: ApiKey) -> str:
+    """The key's tenant: its `tenant`, else its namespaces, else its own name. Keys of one
+    tenant share cached prompt prefixes; no other key's requests can hit them."""
+    if key.tenant:
+        return f"tenant:{key.tenant}"
+    if key.scope.namespaces is not None:
+        return "namespaces:" + ",".join(sorted(key.scope.namespaces))
+    return f"key:{key.name}"
 
 
 def digest(secret: str) -> bytes:
@@ -41,6 +57,26 @@ def _limit(value: Any, what: str, where: str) -> int | None:
     return value
 
 
+def _names(value: Any, what: str, where: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ValueError(f"{where}: {what} must be a list of non-empty strings")
+    return tuple(v.strip() for v in value)
+
+
+_KEY_FIELDS = {
+    "name",
+    "key",
+    "requestsPerMinute",
+    "tokensPerMinute",
+    "maxConcurrentRequests",
+    "models",
+    "namespaces",
+    "tenant",
+}
+
+
 def parse_keys(
     text: str,
     default_rpm: int | None = None,
@@ -48,8 +84,9 @@ def parse_keys(
     where: str = "keys file",
     default_concurrency: int | None = None,
 ) -> list[ApiKey]:
-    """Either one key per line (`#` starts a comment), or YAML:
-    `keys: [{name, key, requestsPerMinute, tokensPerMinute, maxConcurrentRequests}, ...]`."""
+    """Either one key per line (`#` starts a comment), or YAML: `keys: [{name, key,
+    requestsPerMinute, tokensPerMinute, maxConcurrentRequests, models, namespaces, tenant},
+    ...]`; a key without `models` and `namespaces` reaches every model."""
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -65,6 +102,16 @@ def parse_keys(
                 raise ValueError(f"{at}: needs a string `key`")
             if not entry["key"].strip():
                 raise ValueError(f"{at}: the key is empty")
+            unknown = sorted(set(entry) - _KEY_FIELDS)
+            if unknown:
+                raise ValueError(f"{at}: unknown fields {unknown}")
+            tenant = entry.get("tenant")
+            if tenant is not None and (not isinstance(tenant, str) or not tenant.strip()):
+                raise ValueError(f"{at}: tenant must be a non-empty string")
+            scope = Scope(
+                _names(entry.get("models"), "models", at),
+                _names(entry.get("namespaces"), "namespaces", at),
+            )
             rpm = _limit(entry.get("requestsPerMinute"), "requestsPerMinute", at)
             tpm = _limit(entry.get("tokensPerMinute"), "tokensPerMinute", at)
             cap = _limit(entry.get("maxConcurrentRequests"), "maxConcurrentRequests", at)
@@ -75,6 +122,8 @@ def parse_keys(
                     requests_per_minute=rpm if rpm is not None else default_rpm,
                     tokens_per_minute=tpm if tpm is not None else default_tpm,
                     max_concurrent=cap if cap is not None else default_concurrency,
+                    scope=scope,
+                    tenant=tenant.strip() if tenant else None,
                 )
             )
     else:
@@ -97,15 +146,21 @@ def keys_from_secret(
     default_tpm: int | None = None,
     default_concurrency: int | None = None,
 ) -> list[ApiKey]:
-    """One key per data entry of a Kubernetes Secret; the entry's name names the key."""
+    """One key per data entry of a Kubernetes Secret, the entry's name naming the key; an
+    entry named `*.yaml` or `*.yml` holds the YAML form instead (keys with limits and scopes)."""
     keys = []
     for name, encoded in sorted((secret.get("data") or {}).items()):
         try:
             value = base64.b64decode(encoded, validate=True).decode("utf-8").strip()
         except (binascii.Error, UnicodeDecodeError, TypeError):
             raise ValueError(f"Secret entry {name!r} is not base64 of UTF-8 text") from None
-        if value:
+        if name.endswith((".yaml", ".yml")):
+            where = f"Secret entry {name!r}"
+            keys += parse_keys(value, default_rpm, default_tpm, where, default_concurrency)
+        elif value:
             keys.append(ApiKey(name, digest(value), default_rpm, default_tpm, default_concurrency))
+    if len({k.name for k in keys}) != len(keys):
+        raise ValueError("Secret: key names must be unique")
     return keys
 
 

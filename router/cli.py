@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 ADMIN_KEY_ENV = "FLEETLLM_ROUTER_ADMIN_KEY"
 UPSTREAM_KEY_ENV = "FLEETLLM_UPSTREAM_API_KEY"
+CACHE_SALT_ENV = "FLEETLLM_ROUTER_CACHE_SALT_SECRET"
+"""The key of the per-tenant cache salts; router replicas that share it share caches."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,8 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--namespace",
         action="append",
         help="kubernetes: namespace to watch, repeatable (default: the pod's own, else all; "
-        "with several, model ids become NAMESPACE/MODEL and plain names reach the first); "
-        "with --all-namespaces, the home namespace whose models plain model names reach first",
+        "with several, model ids become NAMESPACE/MODEL)",
     )
     g.add_argument(
         "--all-namespaces",
@@ -113,6 +114,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--scrape-interval", type=float, default=d.scrape_interval)
     g.add_argument(
+        "--max-metrics-bytes",
+        type=int,
+        default=d.max_metrics_bytes,
+        help="a replica's /metrics past this is refused and the replica backed off",
+    )
+    g.add_argument(
+        "--max-answer-bytes",
+        type=int,
+        default=d.max_answer_bytes,
+        help="a non-streamed answer past this is refused (502) and the replica backed off",
+    )
+    g.add_argument(
+        "--max-event-bytes",
+        type=int,
+        default=d.max_event_bytes,
+        help="one stream event past this is refused (502) and the replica backed off",
+    )
+    g.add_argument(
         "--upstream-api-key",
         default=os.environ.get(UPSTREAM_KEY_ENV),
         help=f"bearer key for the replicas (env {UPSTREAM_KEY_ENV})",
@@ -138,12 +157,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--api-keys-file",
         type=Path,
         help="one key per line, or YAML `keys: [{name, key, requestsPerMinute, "
-        "tokensPerMinute}]`; reloaded on change",
+        "tokensPerMinute, maxConcurrentRequests, models, namespaces, tenant}]`; reloaded on "
+        "change",
     )
     g.add_argument(
         "--api-keys-secret",
         metavar="[NAMESPACE/]NAME",
-        help="a Kubernetes Secret whose every data entry is a key",
+        help="a Kubernetes Secret whose every data entry is a key (an entry named *.yaml: "
+        "the YAML form)",
     )
     g.add_argument("--rate-limit-rpm", type=int, help="default requests per minute per key")
     g.add_argument("--rate-limit-tpm", type=int, help="default tokens per minute per key")
@@ -152,7 +173,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="default requests one key may have open at once",
     )
+    g.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="serve /metrics without a key even when keys are on (it names every model, "
+        "namespace and replica address: keep it off the Ingress)",
+    )
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    g.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=d.max_inflight_requests,
+        help="requests open at once, all keys together; past it 503 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-inflight-bytes",
+        type=int,
+        default=d.max_inflight_bytes,
+        help="request bodies held at once, all keys together; past it 503 (default: %(default)s)",
+    )
     g.add_argument(
         "--client-header-timeout",
         type=float,
@@ -205,6 +244,12 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         client_header_timeout=args.client_header_timeout,
         client_body_timeout=args.client_body_timeout,
         upstream_api_key=args.upstream_api_key or None,
+        max_metrics_bytes=args.max_metrics_bytes,
+        max_answer_bytes=args.max_answer_bytes,
+        max_event_bytes=args.max_event_bytes,
+        max_inflight_requests=args.max_inflight_requests,
+        max_inflight_bytes=args.max_inflight_bytes,
+        cache_salt_secret=os.environ.get(CACHE_SALT_ENV, "").encode(),
     )
 
 
@@ -240,9 +285,12 @@ def _serve(args: argparse.Namespace) -> int:
         assert kube is not None
         namespaces = args.namespace or ([own_namespace] if own_namespace else [])
         if args.all_namespaces:
-            if len(namespaces) > 1:
-                raise ValueError("--all-namespaces takes one --namespace at most (the home one)")
-            discovery = KubernetesDiscovery(kube, None, namespaces[0] if namespaces else None)
+            if args.namespace:
+                raise ValueError(
+                    "--all-namespaces takes no --namespace: plain model names reach a model "
+                    "only where one namespace in the key's scope serves it"
+                )
+            discovery = KubernetesDiscovery(kube, None)
         else:
             discovery = KubernetesDiscovery(kube, namespaces or None)
     else:
@@ -277,6 +325,7 @@ def _serve(args: argparse.Namespace) -> int:
         default_concurrency=args.max_concurrent_per_key,
         admin_key=args.admin_key or None,
         log_requests=not args.no_request_log,
+        public_metrics=args.public_metrics,
     )
     run = asyncio.run
     try:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import get_args
 
 from fleetllm.api.deployment import RoutingSpec
+from fleetllm.httpread import MiB
+from fleetllm.scrape import MAX_METRICS_BYTES
 
 # The CRD's strategy names are the router's.
 STRATEGIES: tuple[str, ...] = get_args(RoutingSpec.model_fields["strategy"].annotation)
@@ -57,6 +59,22 @@ class RouterSettings:
     upstream_api_key: str | None = None
     """Sent to the replicas as a bearer token (engines started with --api-key)."""
 
+    # What one replica may make the router hold (over a cap: the replica is backed off and
+    # the client gets 502).
+    max_metrics_bytes: int = MAX_METRICS_BYTES
+    max_answer_bytes: int = 64 * MiB
+    """A non-streamed answer, read whole before it is relayed."""
+    max_event_bytes: int = 1 * MiB
+    """One server-sent event of a stream (events are relayed whole)."""
+
+    # What all clients together may make the router hold (over a cap: 503 + Retry-After).
+    max_inflight_requests: int = 4096
+    max_inflight_bytes: int = 256 * MiB
+    """Request bodies being read, held or relayed, together."""
+
+    cache_salt_secret: bytes = b""
+    """The HMAC key of the per-tenant `cache_salt`; empty: a random one per process."""
+
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}; one of {', '.join(STRATEGIES)}")
@@ -76,6 +94,11 @@ class RouterSettings:
             "client header timeout": self.client_header_timeout > 0,
             "client body timeout": self.client_body_timeout > 0,
             "backoff": 0 < self.backoff_base <= self.backoff_max,
+            "max metrics bytes": self.max_metrics_bytes >= 1024,
+            "max answer bytes": self.max_answer_bytes >= 1024,
+            "max event bytes": self.max_event_bytes >= 1024,
+            "max inflight requests": self.max_inflight_requests >= 1,
+            "max inflight bytes": self.max_inflight_bytes >= self.max_body_bytes,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

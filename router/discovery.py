@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -359,7 +359,6 @@ def build_fleet(
     slices: Mapping[Any, SliceInfo],
     *,
     qualified: bool,
-    home_namespace: str | None = None,
 ) -> dict[str, ModelRoute]:
     """The fleet by model id. A model's replicas are the endpoints of the Service the
     operator rendered for its LLMDeployment, and only those: the Service named after the
@@ -368,9 +367,9 @@ def build_fleet(
     share its replicas; the first by name decides routing and receives demand.
 
     Ids are `NAMESPACE/MODEL` when `qualified` (all namespaces, or several), so no namespace
-    can take another's traffic; the plain model name is an alias where it is unambiguous:
-    served in `home_namespace`, else in exactly one namespace. Unqualified (one namespace), ids are
-    plain model names and `NAMESPACE/MODEL` is the alias."""
+    can take another's traffic (a plain name reaches a model only where it is unambiguous in
+    the caller's scope: see `scopes.resolve`). Unqualified (one namespace), ids are plain
+    model names and `NAMESPACE/MODEL` is the alias."""
     ours = {(s.namespace, s.name): s for s in services.values() if s.owner_uid is not None}
     endpoints: dict[tuple[str, str, str], dict[str, ReplicaRef]] = {}
     for info in slices.values():
@@ -404,27 +403,7 @@ def build_fleet(
             merged = {r.url: r for r in route.replicas} | refs
             fleet[model_id] = dataclasses.replace(route, replicas=tuple(merged.values()))
 
-    if qualified:
-        serving: dict[str, list[str]] = {}
-        for model_id, route in fleet.items():
-            serving.setdefault(route.served_name or model_id, []).append(model_id)
-        for plain, ids in serving.items():
-            home = f"{home_namespace}/{plain}"
-            target = home if home in ids else ids[0] if len(ids) == 1 else None
-            if target is not None:
-                fleet[target] = dataclasses.replace(fleet[target], aliases=(plain,))
     return fleet
-
-
-def missing_model_message(requested: str, ids: Iterable[str]) -> str:
-    """Why a model id is not found; names the candidates when a plain name is ambiguous."""
-    candidates = sorted(i for i in ids if "/" in i and i.split("/", 1)[1] == requested)
-    if len(candidates) > 1:
-        return (
-            f"The model `{requested}` is served in several namespaces "
-            f"({', '.join(candidates)}): name one as NAMESPACE/{requested}."
-        )
-    return f"The model `{requested}` does not exist."
 
 
 def _safely(parse: Callable[[Mapping[str, Any]], Any]) -> Callable[[Mapping[str, Any]], Any]:
@@ -443,14 +422,12 @@ def _safely(parse: Callable[[Mapping[str, Any]], Any]) -> Callable[[Mapping[str,
 class KubernetesDiscovery:
     """Follows LLMDeployments, the operator's Services and their EndpointSlices in the given
     namespaces (or all, `namespaces=None`); children by a server-side label selector. Model
-    ids are `NAMESPACE/MODEL` unless exactly one namespace is followed (see `build_fleet`);
-    plain names reach `home_namespace` first (the first namespace given, by default)."""
+    ids are `NAMESPACE/MODEL` unless exactly one namespace is followed (see `build_fleet`)."""
 
     def __init__(
         self,
         client: KubeClient,
         namespaces: str | Sequence[str] | None,
-        home_namespace: str | None = None,
         backoff: Backoff | None = None,
     ) -> None:
         """`namespaces`: one, several, or None for all."""
@@ -460,7 +437,6 @@ class KubernetesDiscovery:
             raise ValueError("Kubernetes discovery needs at least one namespace, or None for all")
         self.client = client
         self.namespaces = list(dict.fromkeys(namespaces)) if namespaces is not None else None
-        self.home_namespace = home_namespace or (self.namespaces[0] if self.namespaces else None)
         self.backoff = backoff
         self._stores: dict[str, dict[Any, Any]] = {"deployments": {}, "services": {}, "slices": {}}
         self._synced: set[tuple[str, str | None]] = set()
@@ -479,7 +455,6 @@ class KubernetesDiscovery:
                     self._stores["services"],
                     self._stores["slices"],
                     qualified=self.namespaces is None or len(self.namespaces) > 1,
-                    home_namespace=self.home_namespace,
                 )
             )
 

@@ -18,13 +18,15 @@ def _errors(*statuses: int) -> dict[str, Any]:
     reasons = {
         400: "The body is not a JSON object with a string `model`.",
         401: "No key, or not one of the router's keys.",
-        404: "The model does not exist.",
+        403: "The key may not read this (a scoped key, the fleet's metrics).",
+        404: "The model does not exist (or is outside the key's scope: the same answer).",
         408: "The body did not arrive in time.",
         413: "The body is too large.",
         429: "The key's rate limit or concurrency cap is reached.",
         500: "The replica's own answer to this request.",
-        502: "The replica failed.",
-        503: "No replica was ready in time, or the replica is unavailable.",
+        502: "The replica failed, or its answer was over the router's caps.",
+        503: "No replica was ready in time, the replica is unavailable, or the router is at "
+        "capacity (all clients together).",
         504: "The replica did not answer in time.",
     }
     return {
@@ -118,17 +120,21 @@ def openapi_schema(admin: bool) -> dict[str, Any]:
         },
         "/metrics": {
             "get": {
+                "security": [{"bearer": []}, {}],
                 "responses": {
                     "200": {
                         "description": "Prometheus text, fleetllm:router_* series.",
                         "content": {"text/plain": {"schema": {"type": "string"}}},
-                    }
-                }
+                    },
+                    **_errors(401, 403),
+                },
             }
         },
         "/version": {
             "get": {
+                "security": [{"bearer": []}, {}],
                 "responses": {
+                    **_errors(401),
                     "200": {
                         "description": "The router's version.",
                         "content": {
@@ -140,18 +146,20 @@ def openapi_schema(admin: bool) -> dict[str, Any]:
                                 }
                             }
                         },
-                    }
-                }
+                    },
+                },
             }
         },
         "/openapi.json": {
             "get": {
+                "security": [{"bearer": []}, {}],
                 "responses": {
                     "200": {
                         "description": "This document.",
                         "content": {"application/json": {"schema": {"type": "object"}}},
-                    }
-                }
+                    },
+                    **_errors(401),
+                },
             }
         },
     }

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from fleetllm.httpread import TooLarge, read_bounded
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import (
     Discovery,
@@ -25,12 +26,18 @@ from fleetllm.router.discovery import (
     ModelRoute,
     discovery_summary,
     has_credentials,
-    missing_model_message,
 )
 from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldQueue
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.replicas import Replica
+from fleetllm.router.scopes import (
+    EVERYTHING,
+    Scope,
+    ambiguous_message,
+    missing_message,
+    resolve,
+)
 from fleetllm.router.strategies import (
     HashRing,
     bounded_prefix,
@@ -40,9 +47,12 @@ from fleetllm.router.strategies import (
     round_robin,
     stable_hash,
 )
-from fleetllm.scrape import EngineSample, ScrapeError, fetch_metrics
+from fleetllm.scrape import EngineSample, MetricsTooLarge, ScrapeError, fetch_metrics
 
 log = logging.getLogger("fleetllm.router")
+
+HEALTH_MAX_BYTES = 64 * 1024
+"""An engine's /health answer is a few bytes; one far larger is a failed check."""
 
 
 @dataclass
@@ -174,12 +184,16 @@ class ReplicaPool:
 
     # -- the fleet ---------------------------------------------------------------------------
 
-    def resolve(self, requested: str) -> ModelPool:
-        """The model a client's `model` names, by id or alias; 404 otherwise."""
-        model = self.models.get(requested) or self.models.get(self.aliases.get(requested, ""))
-        if model is None:
-            raise RouterError(404, missing_model_message(requested, self.models), "model")
-        return model
+    def resolve(self, requested: str, scope: Scope = EVERYTHING) -> ModelPool:
+        """The model a client's `model` names within its key's scope (see `scopes`); 404,
+        the same for a model out of scope as for one that does not exist, otherwise."""
+        routes = {name: model.route for name, model in self.models.items()}
+        found = resolve(requested, routes, self.aliases, scope)
+        if isinstance(found, list):
+            raise RouterError(404, ambiguous_message(requested, found), "model")
+        if found is None:
+            raise RouterError(404, missing_message(requested), "model")
+        return self.models[found]
 
     def apply_fleet(self, fleet: Fleet) -> None:
         """Adopt what discovery reports: models and replicas come and go; a replica that
@@ -256,11 +270,23 @@ class ReplicaPool:
         assert self._session is not None
         replica = pooled.replica
         while True:
-            healthy, sample = await scrape_replica(
-                self._session, replica.url, self.settings.scrape_timeout
-            )
             was_up = replica.available(time.monotonic())
-            replica.record_scrape(healthy, sample)
+            try:
+                healthy, sample = await scrape_replica(
+                    self._session,
+                    replica.url,
+                    self.settings.scrape_timeout,
+                    self.settings.max_metrics_bytes,
+                )
+                replica.record_scrape(healthy, sample)
+            except MetricsTooLarge as exc:
+                # A replica that answers /metrics with more than the cap misbehaves: it is
+                # backed off (longer at each scrape in a row) rather than trusted with traffic.
+                if was_up:
+                    log.warning("replica %s of %s backed off: %s", replica.url, replica.model, exc)
+                replica.record_failure(
+                    time.monotonic(), self.settings.backoff_base, self.settings.backoff_max
+                )
             self.refresh_up(model, pooled)
             if was_up != replica.available(time.monotonic()):
                 log.info(
@@ -334,13 +360,16 @@ class ReplicaPool:
 
 
 async def scrape_replica(
-    session: aiohttp.ClientSession, url: str, timeout: float
+    session: aiohttp.ClientSession, url: str, timeout: float, max_bytes: int
 ) -> tuple[bool, EngineSample | None]:
-    """One look at a replica: whether /health answers 200, and if so its load."""
+    """One look at a replica: whether /health answers 200, and if so its load. Raises
+    MetricsTooLarge for a /metrics over `max_bytes`."""
     if not await check_health(session, url, aiohttp.ClientTimeout(total=timeout)):
         return False, None
     try:
-        return True, await fetch_metrics(session, url, timeout)
+        return True, await fetch_metrics(session, url, timeout, max_bytes=max_bytes)
+    except MetricsTooLarge:
+        raise
     except ScrapeError:
         return True, None
 
@@ -350,7 +379,7 @@ async def check_health(
 ) -> bool:
     try:
         async with session.get(url + "/health", timeout=timeout) as r:
-            await r.read()
+            await read_bounded(r, HEALTH_MAX_BYTES)
             return r.status == 200
-    except (aiohttp.ClientError, TimeoutError):
+    except (aiohttp.ClientError, TimeoutError, TooLarge):
         return False

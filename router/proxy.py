@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,18 +26,23 @@ import aiohttp
 from aiohttp import web
 
 from fleetllm.errors import error_json
+from fleetllm.httpread import TooLarge, read_bounded
 from fleetllm.router.access import Access
-from fleetllm.router.auth import ApiKey
+from fleetllm.router.auth import ApiKey, tenant_of
 from fleetllm.router.body import read_body
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldRejected
+from fleetllm.router.inflight import InFlight
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.outcomes import Verdict, classify
 from fleetllm.router.pool import Lease, ModelPool, ReplicaPool
 from fleetllm.router.replicas import Replica
+from fleetllm.router.scopes import EVERYTHING
 from fleetllm.router.sse import (
     SSE_END,
+    EventSplitter,
+    EventTooLarge,
     First,
     error_event,
     first_kind,
@@ -125,6 +133,10 @@ class Proxy:
         self.access = access
         self.metrics = metrics
         self.log_requests = log_requests
+        self.inflight = InFlight(settings.max_inflight_requests, settings.max_inflight_bytes)
+        # Router replicas that share the secret give a tenant the same salt (and so share
+        # its cache across them); without one, each process picks its own.
+        self._salt_secret = settings.cache_salt_secret or os.urandom(32)
         self._session: aiohttp.ClientSession | None = None
         self._upstream_headers = {"Content-Type": "application/json"}
         if settings.upstream_api_key:
@@ -171,10 +183,25 @@ class Proxy:
 
     async def _serve(self, ctx: _Context) -> web.StreamResponse:
         request = ctx.request
+        settings = self.settings
         ctx.key = self.access.authenticate(request.headers.get("Authorization"))
-        ctx.body = await read_body(
-            request, self.settings.max_body_bytes, self.settings.client_body_timeout
-        )
+        with self.inflight.hold(
+            min(request.content_length or settings.max_body_bytes, settings.max_body_bytes)
+        ) as held:
+            ctx.body = await read_body(
+                request, settings.max_body_bytes, settings.client_body_timeout
+            )
+            held.resize(len(ctx.body))
+            model = self._parse(ctx)
+            held.resize(len(ctx.body))
+            admitted = self.access.admitted(ctx.key) if ctx.key else contextlib.nullcontext()
+            with admitted:
+                ctx.routed = True
+                return await self._route(model, ctx)
+
+    def _parse(self, ctx: _Context) -> ModelPool:
+        """The model the body names, within the key's scope; the body as the replicas get it
+        (the engines' name for the model, the tenant's cache salt)."""
         try:
             payload = json.loads(ctx.body)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -187,17 +214,25 @@ class Proxy:
         name = payload.get("model")
         if not isinstance(name, str) or not name:
             raise RouterError(400, "`model` is required and must be a string.", "model")
-        model = self.pool.resolve(name)
-        served = model.route.served_name
-        if served and served != name:
-            # An alias or a namespace-qualified id: the engines know the served name.
-            ctx.payload = {**payload, "model": served}
+        model = self.pool.resolve(name, ctx.key.scope if ctx.key else EVERYTHING)
+        changes: dict[str, Any] = {}
+        served = model.route.served_name or model.name
+        if served != name:
+            # An alias, a namespace-qualified id or a plain name of one: the engines know the
+            # served name (a static fleet's engines serve its ids as they are).
+            changes["model"] = served
+        if ctx.key is not None and "cache_salt" not in payload:
+            # Prefix-cache hits are observable (time to first token, cached_tokens): without
+            # a salt per tenant, one key could tell which prompts another has sent.
+            changes["cache_salt"] = self._cache_salt(tenant_of(ctx.key))
+        if changes:
+            ctx.payload = {**payload, **changes}
             ctx.body = json.dumps(ctx.payload).encode()
         ctx.model = model.name
-        admitted = self.access.admitted(ctx.key) if ctx.key else contextlib.nullcontext()
-        with admitted:
-            ctx.routed = True
-            return await self._route(model, ctx)
+        return model
+
+    def _cache_salt(self, tenant: str) -> str:
+        return hmac.new(self._salt_secret, tenant.encode(), hashlib.sha256).hexdigest()
 
     def _finish(self, ctx: _Context, status: int) -> None:
         """Account for an answer (or a client that left first): metrics, the key's token
@@ -288,16 +323,17 @@ class Proxy:
         """One try on one replica. A _Failure means nothing reached the client, and that the
         replica could not serve (it has been backed off): another replica may."""
         loop = asyncio.get_running_loop()
-        stream = ctx.payload.get("stream") is True
+        settings = self.settings
         headers = {**self._upstream_headers, "X-Request-Id": ctx.request_id}
         upstream: aiohttp.ClientResponse | None = None
         outcome = "error"
+        events = EventSplitter(settings.max_event_bytes)
         try:
-            first_deadline = deadline
-            if stream:
-                first_deadline = min(deadline, loop.time() + self.settings.first_byte_timeout)
+            # Until the first byte (a non-streamed answer's headers come when it is done, a
+            # stream's first token right after them): a hung replica is left for another.
+            first_deadline = min(deadline, loop.time() + settings.first_byte_timeout)
             try:
-                async with asyncio.timeout_at(first_deadline):
+                async with asyncio.timeout_at(first_deadline) as phase:
                     upstream = await self.session.post(
                         lease.replica.url + ctx.request.path,
                         data=ctx.body,
@@ -307,7 +343,8 @@ class Proxy:
                     outcome = str(upstream.status)
                     content_type = upstream.headers.get("Content-Type", "application/json")
                     if not content_type.startswith("text/event-stream"):
-                        data = await upstream.read()
+                        phase.reschedule(deadline)  # the answer has begun
+                        data = await read_bounded(upstream, settings.max_answer_bytes)
                         if await self._judge(lease, upstream.status):
                             return _Failure(upstream.status, data, content_type)
                         if ctx.key is not None and ctx.key.tokens_per_minute is not None:
@@ -318,10 +355,17 @@ class Proxy:
                             headers={"Content-Type": content_type},
                         )
                     if await self._judge(lease, upstream.status):
-                        return _Failure(upstream.status, await upstream.read(), content_type)
-                    first, error = await _read_until_first_token(upstream)
+                        data = await read_bounded(upstream, settings.max_event_bytes)
+                        return _Failure(upstream.status, data, content_type)
+                    first, error = await _read_until_first_token(upstream, events)
                     if error and await self._judge(lease, error):
                         return _Failure(error, _event_data(first), "application/json")
+            except (TooLarge, EventTooLarge) as exc:
+                # A replica that sends more than the router will hold misbehaves.
+                outcome = "error"  # no complete answer came
+                lease.failed()
+                body = error_json(502, f"The replica's answer was refused: {exc}.")
+                return _Failure(502, body, "application/json")
             except (aiohttp.ClientError, TimeoutError) as exc:
                 outcome = "error"
                 lease.failed()
@@ -330,7 +374,7 @@ class Proxy:
                 what = "did not answer in time" if timed_out else f"failed: {_describe(exc)}"
                 body = error_json(status, f"The replica {what}.")
                 return _Failure(status, body, "application/json")
-            return await self._relay(lease, ctx, upstream, first, deadline)
+            return await self._relay(lease, ctx, upstream, first, events, deadline)
         finally:
             lease.release(outcome)
             if upstream is not None:
@@ -361,6 +405,7 @@ class Proxy:
         ctx: _Context,
         upstream: aiohttp.ClientResponse,
         first: bytes,
+        events: EventSplitter,
         deadline: float,
     ) -> web.StreamResponse:
         """Forward a stream event by event: only whole events go out, so that an error event
@@ -384,35 +429,33 @@ class Proxy:
             ctx.first_byte - ctx.arrival
         )
         count_tokens = ctx.key is not None and ctx.key.tokens_per_minute is not None
-        events = 0
+        count = 0
         tail = b""
-        pending = first
+        block = first
         try:
             async with asyncio.timeout_at(deadline):
                 while True:
-                    cut = pending.rfind(SSE_END)
-                    if cut >= 0:
-                        block = pending[: cut + 2]
+                    if block:
                         if count_tokens:
-                            events += block.count(b"data: ")
-                            tail = (tail + block)[-8192:]
+                            count += block.count(b"data: ")
+                            tail = (tail[-8192:] + block[-8192:])[-8192:]
                         await _write(out, block)
-                        pending = pending[cut + 2 :]
                     chunk = await upstream.content.readany()
                     if not chunk:
                         break
-                    pending = pending + chunk if pending else chunk
-            if pending:
-                await _write(out, pending)
+                    block = events.feed(chunk)
+            if rest := events.rest():
+                await _write(out, rest)
             lease.succeeded()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, EventTooLarge) as exc:
             lease.failed()
             ctx.stream_error = True
-            message = (
-                "The replica did not finish in time."
-                if isinstance(exc, TimeoutError)
-                else f"The replica failed mid-stream: {_describe(exc)}"
-            )
+            if isinstance(exc, EventTooLarge):
+                message = f"The replica's stream was refused: {exc}."
+            elif isinstance(exc, TimeoutError):
+                message = "The replica did not finish in time."
+            else:
+                message = f"The replica failed mid-stream: {_describe(exc)}"
             with contextlib.suppress(_ClientGone):
                 await _write(out, error_event(message))
         except _ClientGone:
@@ -421,30 +464,38 @@ class Proxy:
         finally:
             # Also when the client leaves (its handler is cancelled): what was relayed counts.
             if count_tokens:
-                ctx.tokens = usage_tokens_sse(tail) or len(ctx.body) // 4 + events
+                ctx.tokens = usage_tokens_sse(tail) or len(ctx.body) // 4 + count
         with contextlib.suppress(ConnectionResetError):
             await out.write_eof()
         return out
 
 
-async def _read_until_first_token(upstream: aiohttp.ClientResponse) -> tuple[bytes, int]:
+async def _read_until_first_token(
+    upstream: aiohttp.ClientResponse, events: EventSplitter
+) -> tuple[bytes, int]:
     """Read a stream up to and including its first event that commits it (see `sse.First`):
-    the bytes read so far, and the error code when that event is an error. A stream that ends
-    first raises, as a broken connection would."""
-    held = 0  # bytes of whole events examined so far
-    data = b""
+    the whole events read so far (the rest stays in `events`), and the error code when that
+    event is an error. A stream that ends first raises, as a broken connection would; an
+    event over the cap raises EventTooLarge."""
+    held: list[bytes] = []
+    size = 0
     while True:
         chunk = await upstream.content.readany()
         if not chunk:
             raise aiohttp.ServerDisconnectedError("the stream ended before its first token")
-        data += chunk
-        while (cut := data.find(SSE_END, held)) >= 0:
-            kind, code = first_kind(data[held:cut])
-            held = cut + len(SSE_END)
+        block = events.feed(chunk)
+        if not block:
+            continue
+        held.append(block)
+        size += len(block)
+        at = 0
+        while (cut := block.find(SSE_END, at)) >= 0:
+            kind, code = first_kind(block[at:cut])
+            at = cut + len(SSE_END)
             if kind is not First.PREAMBLE:
-                return data, code if kind is First.ERROR else 0
-        if len(data) > MAX_PREAMBLE_BYTES:
-            return data, 0  # not a stream of ours; let the client have it
+                return b"".join(held), code if kind is First.ERROR else 0
+        if size > MAX_PREAMBLE_BYTES:
+            return b"".join(held), 0  # not a stream of ours; let the client have it
 
 
 def _event_data(data: bytes) -> bytes:

@@ -28,6 +28,7 @@ from fleetllm.router.metrics import CONTENT_TYPE, RouterMetrics
 from fleetllm.router.openapi import openapi_schema
 from fleetllm.router.pool import ModelPool, ReplicaPool
 from fleetllm.router.proxy import Proxy
+from fleetllm.router.scopes import EVERYTHING, visible
 from fleetllm.version import __version__
 
 log = logging.getLogger("fleetllm.router")
@@ -53,9 +54,12 @@ class Router:
         default_concurrency: int | None = None,
         admin_key: str | None = None,
         log_requests: bool = True,
+        public_metrics: bool = False,
     ) -> None:
         self.settings = settings
         self.discovery = discovery
+        self.public_metrics = public_metrics
+        """/metrics without a key even when keys are on (for a scraper that sends none)."""
         self.metrics = RouterMetrics()
         self.pool = ReplicaPool(settings, self.metrics, discovery)
         self.access = Access(
@@ -165,17 +169,26 @@ class Router:
             )
         return web.json_response({"status": "ok"})
 
-    async def handle_metrics(self, _: web.Request) -> web.Response:
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        if not self.public_metrics:
+            # The series name every model, namespace and replica address: only a key that
+            # reaches every model may read them.
+            key = self.access.authenticate(request.headers.get("Authorization"))
+            if key is not None and not key.scope.unrestricted:
+                raise RouterError(403, f"API key {key.name} may not read the router's metrics.")
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    async def handle_version(self, _: web.Request) -> web.Response:
+    async def handle_version(self, request: web.Request) -> web.Response:
+        self.access.authenticate(request.headers.get("Authorization"))
         return web.json_response({"version": __version__})
 
-    async def handle_openapi(self, _: web.Request) -> web.Response:
+    async def handle_openapi(self, request: web.Request) -> web.Response:
+        self.access.authenticate(request.headers.get("Authorization"))
         return web.json_response(self._openapi)
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        self.access.authenticate(request.headers.get("Authorization"))
+        key = self.access.authenticate(request.headers.get("Authorization"))
+        scope = key.scope if key is not None else EVERYTHING
         data = [
             {
                 "id": name,
@@ -185,7 +198,7 @@ class Router:
                 "root": name,
                 "parent": None,
             }
-            for name in sorted(self.pool.models)
+            for name in visible((m.route for m in self.pool.models.values()), scope)
         ]
         return web.json_response({"object": "list", "data": data})
 

@@ -99,3 +99,54 @@ def _carries(choice: Any) -> bool:
     if not isinstance(delta, dict):
         return True
     return any(value not in (None, "", [], {}) for key, value in delta.items() if key != "role")
+
+
+class EventTooLarge(Exception):
+    """One event of a stream is longer than the cap (its blank line has not come)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"a stream event exceeds the limit of {limit} bytes")
+        self.limit = limit
+
+
+class EventSplitter:
+    """Cuts a stream's bytes into whole events, in linear time: each chunk is scanned once
+    (from one byte before it, for a blank line split across two chunks), the partial event
+    grows in place, and no event may pass `limit` bytes."""
+
+    __slots__ = ("_pending", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._pending = bytearray()
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The whole events completed by `chunk` (possibly none: b""), blank lines included."""
+        start = max(0, len(self._pending) - 1)
+        self._pending += chunk
+        cut = self._pending.rfind(SSE_END, start)
+        if cut < 0:
+            if len(self._pending) > self.limit:
+                raise EventTooLarge(self.limit)
+            return b""
+        end = cut + len(SSE_END)
+        # Events between the previous cut and this one may each be checked by their length:
+        # the longest lies between two blank lines of the completed block.
+        block = bytes(self._pending[:end])
+        del self._pending[:end]
+        if len(self._pending) > self.limit or _longest_event(block) > self.limit:
+            raise EventTooLarge(self.limit)
+        return block
+
+    def rest(self) -> bytes:
+        """What came after the last whole event (a stream that ended mid-event)."""
+        return bytes(self._pending)
+
+
+def _longest_event(block: bytes) -> int:
+    longest = 0
+    at = 0
+    while (cut := block.find(SSE_END, at)) >= 0:
+        longest = max(longest, cut - at)
+        at = cut + len(SSE_END)
+    return longest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -40,6 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="YAML file of LLMDeployments (repeatable; default: the built-in SmolLM2 one)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address of the endpoint (%(default)s)")
+    p.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        help="API keys the endpoint requires (the router's format, see docs/router.md); "
+        "needed to listen on anything but loopback",
+    )
     p.add_argument(
         "--port",
         type=int,
@@ -122,6 +130,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     if args.shutdown_grace_period < 0:
         raise ValueError("--shutdown-grace-period must not be negative")
+    if args.api_keys_file is None and not _loopback(args.host):
+        # Anyone who can reach the address could use (and load) every model.
+        raise ValueError(
+            f"--host {args.host} serves beyond this machine: give --api-keys-file too "
+            "(or listen on 127.0.0.1)"
+        )
     port = _port(args)
     try:
         models = load_fleet(args.filename, vllm=find_vllm())
@@ -154,8 +168,18 @@ def cmd_up(args: argparse.Namespace) -> int:
             grace_s=args.shutdown_grace_period,
             gpus=gpus,
             events=events,
+            keys_file=args.api_keys_file,
         )
     )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
 
 
 async def run_fleet(
@@ -167,6 +191,7 @@ async def run_fleet(
     grace_s: float,
     gpus: list[str],
     events: RecentEvents | None = None,
+    keys_file: Path | None = None,
 ) -> int:
     from aiohttp import web
 
@@ -194,7 +219,7 @@ async def run_fleet(
         return router.pool.in_flight(model, url) if router is not None else 0
 
     supervisor = Supervisor(models, settings, gpus=GPUPool(gpus), in_flight=in_flight)
-    router = Router(RouterSettings(host=host, port=port), supervisor.discovery)
+    router = Router(RouterSettings(host=host, port=port), supervisor.discovery, keys_file=keys_file)
     runner = web.AppRunner(
         router.app(), handler_cancellation=True, access_log=None, shutdown_timeout=grace_s
     )

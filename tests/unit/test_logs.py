@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fleetllm.logs import REDACTED, configure_logging
+from fleetllm.logs import REDACTED, JSONFormatter, ParserErrors, configure_logging
 
 
 @pytest.fixture
@@ -59,3 +59,35 @@ def test_text_and_secrets_stay_out_by_default(restore_root: None) -> None:
     logging.getLogger("fleetllm.test").info("request finished", extra=fields)
     (entry,) = _lines(out)
     assert entry["prompts"] == ["a secret prompt"] and entry["api_key"] == REDACTED
+
+
+def _record(
+    name: str, msg: str, args: tuple[object, ...], exc: BaseException | None
+) -> logging.LogRecord:
+    exc_info = (type(exc), exc, None) if exc is not None else None
+    return logging.LogRecord(name, logging.ERROR, __file__, 1, msg, args, exc_info)
+
+
+def test_parser_errors_become_one_rate_limited_warning_without_the_bytes() -> None:
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    raw = "Authorization: Bearer sk-secret\nprompt"
+    parser = ParserErrors(interval=3600)
+    first = _record("aiohttp.server", "Error handling request from %s", ("10.1.2.3",),
+                    BadHttpMessage(raw))  # fmt: skip
+    assert parser.filter(first)
+    line = JSONFormatter().format(first)
+    assert "sk-secret" not in line and "prompt" not in line
+    entry = json.loads(line)
+    assert entry["level"] == "warning" and entry["msg"] == "malformed HTTP request refused"
+    assert (entry["status"], entry["peer"], entry["suppressed"]) == (400, "10.1.2.3", 0)
+    # More within the interval are dropped (and counted in the next line).
+    again = _record("aiohttp.server", "Error handling request from %s", ("10.1.2.3",),
+                    BadHttpMessage(raw))  # fmt: skip
+    assert not parser.filter(again)
+    # uvicorn's (the engine's) report, and other errors, which pass as they are.
+    uvicorn = ParserErrors(interval=0)
+    record = _record("uvicorn.error", "Invalid HTTP request received.", (), None)
+    assert uvicorn.filter(record) and record.levelno == logging.WARNING
+    other = _record("aiohttp.server", "Unhandled exception", (), RuntimeError("boom"))
+    assert ParserErrors().filter(other) and other.levelno == logging.ERROR and other.exc_info

@@ -27,7 +27,12 @@ def router(engines: EngineFleet, start_router: Any, tmp_path: Path) -> Process:
 
 
 def _strip_volatile(event: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in event.items() if k not in ("id", "created")}
+    """Without what differs between two equal requests: ids, times, and how much of the
+    prompt the second found in the prefix cache the first filled."""
+    kept = {k: v for k, v in event.items() if k not in ("id", "created")}
+    if isinstance(kept.get("usage"), dict):
+        kept["usage"] = {k: v for k, v in kept["usage"].items() if k != "prompt_tokens_details"}
+    return kept
 
 
 def _stream(url: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -42,9 +42,16 @@ def test_keys_and_rate_limits(engines: EngineFleet, start_router: Any, tmp_path:
     )
     assert r.status_code == 401
     assert httpx.get(f"{router.url}/v1/models", timeout=GUARD).status_code == 401
-    # Health and metrics stay open to probes and scrapers.
+    # Health stays open to probes; what names the fleet needs a key.
     assert httpx.get(f"{router.url}/health", timeout=GUARD).status_code == 200
-    assert httpx.get(f"{router.url}/metrics", timeout=GUARD).status_code == 200
+    for path in ("/metrics", "/version", "/openapi.json"):
+        assert httpx.get(f"{router.url}{path}", timeout=GUARD).status_code == 401
+        keyed = httpx.get(
+            f"{router.url}{path}",
+            headers={"Authorization": "Bearer sk-open-0123456789"},
+            timeout=GUARD,
+        )
+        assert keyed.status_code == 200
 
     for _ in range(5):
         assert _post(router.url, "sk-open-0123456789").status_code == 200

@@ -16,7 +16,6 @@ from fleetllm.router.discovery import (
     ReplicaRef,
     StaticDiscovery,
     build_fleet,
-    missing_model_message,
     parse_deployment,
     parse_endpoint_slice,
     parse_service,
@@ -230,7 +229,6 @@ def _fleet(
     slices: list[dict[str, Any]],
     *,
     qualified: bool = False,
-    home_namespace: str | None = None,
 ) -> dict[str, Any]:
     def key(obj: dict[str, Any]) -> tuple[str, str]:
         return (obj["metadata"]["namespace"], obj["metadata"]["name"])
@@ -240,7 +238,6 @@ def _fleet(
         {key(o): parse_service(o) for o in services},  # type: ignore[misc]
         {key(o): parse_endpoint_slice(o) for o in slices},  # type: ignore[misc]
         qualified=qualified,
-        home_namespace=home_namespace,
     )
 
 
@@ -277,7 +274,7 @@ def test_build_fleet_follows_only_the_operators_service_and_its_slices() -> None
     assert fleet["victim"].replicas == ()
 
 
-def test_all_namespaces_keys_models_by_namespace_and_aliases_only_unambiguous_names() -> None:
+def test_all_namespaces_keys_models_by_namespace_and_aliases_no_plain_name() -> None:
     deployments = [
         _deployment("chat", "llama", namespace="team-a"),
         _deployment("chat", "llama", namespace="team-b"),
@@ -291,7 +288,7 @@ def test_all_namespaces_keys_models_by_namespace_and_aliases_only_unambiguous_na
         _slice("b", "chat", _ready("10.0.0.2"), namespace="team-b"),
         _slice("c", "home", _ready("10.0.0.3"), namespace="serving"),
     ]
-    fleet = _fleet(deployments, services, slices, qualified=True, home_namespace="serving")
+    fleet = _fleet(deployments, services, slices, qualified=True)
     assert sorted(fleet) == [
         "serving/shared",
         "team-a/llama",
@@ -303,11 +300,9 @@ def test_all_namespaces_keys_models_by_namespace_and_aliases_only_unambiguous_na
     assert [r.url for r in fleet["team-a/llama"].replicas] == ["http://10.0.0.1:8000"]
     assert [r.url for r in fleet["team-b/llama"].replicas] == ["http://10.0.0.2:8000"]
     assert fleet["team-b/llama"].served_name == "llama"
-    aliases = {alias: name for name, route in fleet.items() for alias in route.aliases}
-    # Unique names alias; the home namespace wins; an ambiguous name aliases nothing.
-    assert aliases == {"coder": "team-b/coder", "shared": "serving/shared"}
-    assert "team-a/llama, team-b/llama" in missing_model_message("llama", fleet)
-    assert missing_model_message("nope", fleet) == "The model `nope` does not exist."
+    # Plain names are resolved per key scope (tests/unit/router/test_router_scopes.py), never
+    # by an alias that prefers one namespace.
+    assert all(route.aliases == () for route in fleet.values())
 
 
 @pytest.mark.asyncio

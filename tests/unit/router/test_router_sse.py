@@ -8,7 +8,15 @@ import json
 import pytest
 
 from fleetllm.router.outcomes import Verdict, classify
-from fleetllm.router.sse import First, error_event, first_kind, usage_tokens, usage_tokens_sse
+from fleetllm.router.sse import (
+    EventSplitter,
+    EventTooLarge,
+    First,
+    error_event,
+    first_kind,
+    usage_tokens,
+    usage_tokens_sse,
+)
 
 
 def _event(doc: object) -> bytes:
@@ -107,3 +115,25 @@ def test_usage() -> None:
     tail = b'data: {"choices": []}\n\ndata: {"choices": [], "usage": {"total_tokens": 9}}\n\n'
     assert usage_tokens_sse(tail + b"data: [DONE]\n\n") == 9
     assert usage_tokens_sse(b'data: {"choices": []}\n\n') == 0
+
+
+def test_the_event_splitter_cuts_whole_events_across_any_chunking() -> None:
+    stream = b'data: {"a":1}\n\n: comment\n\ndata: {"b":2}\n\ndata: tail'
+    for size in (1, 2, 3, 7, len(stream)):
+        splitter = EventSplitter(1024)
+        out = b"".join(splitter.feed(stream[i : i + size]) for i in range(0, len(stream), size))
+        assert out == stream[: stream.rfind(b"\n\n") + 2]
+        assert splitter.rest() == b"data: tail"
+
+
+def test_the_event_splitter_refuses_an_event_over_the_cap() -> None:
+    splitter = EventSplitter(1024)
+    assert splitter.feed(b"data: " + b"x" * 1000) == b""
+    with pytest.raises(EventTooLarge):
+        splitter.feed(b"x" * 100)
+    # An oversized event that arrives whole in one chunk is refused too.
+    with pytest.raises(EventTooLarge):
+        EventSplitter(1024).feed(b"data: ok\n\ndata: " + b"y" * 2000 + b"\n\ndata: z\n\n")
+    # Many small events in one chunk are fine, whatever their total.
+    events = b"data: ok\n\n" * 500
+    assert EventSplitter(1024).feed(events) == events

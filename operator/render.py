@@ -28,13 +28,13 @@ from fleetllm.api.deployment import API_VERSION, KIND, LLMDeployment
 from fleetllm.api.scaling import ScalingSpec
 from fleetllm.images import CONTROL_PLANE_IMAGE
 from fleetllm.operator import drain_hook
+from fleetllm.operator.pod_env import CACHE_DIR, RUN_AS, base_env, engine_env, with_user_env
 from fleetllm.planner.placement import MODEL_CACHE_MOUNT, MODEL_MOUNT
 from fleetllm.planner.plan import Plan
 from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.planner.timing import download_seconds, startup_seconds
 from fleetllm.scrape import KV_USAGE, QUEUE_TIME
 
-CACHE_DIR = "/var/cache/fleetllm"
 CONFIG_DIR = "/etc/fleetllm"
 # Time for endpoint removal to reach every router and kube-proxy before the drain hook starts
 # watching the engine for its last requests.
@@ -42,7 +42,6 @@ PRESTOP_SECONDS = 10
 # After the drain hook returns: SIGTERM, the engine's own drain of anything that came late,
 # and its exit.
 EXIT_SECONDS = 15
-RUN_AS = 1000
 # The drain hook's source, passed inline: vLLM's image has python3 but not fleetllm.
 DRAIN_HOOK_SOURCE = Path(drain_hook.__file__).read_text(encoding="utf-8")
 
@@ -170,33 +169,6 @@ def _resources(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[st
     return {"requests": requests, "limits": limits}
 
 
-def _base_env() -> list[dict[str, Any]]:
-    # The root filesystem is read-only: every cache goes to the cache volume.
-    return [
-        {"name": "HOME", "value": CACHE_DIR},
-        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
-        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
-    ]
-
-
-def _with_user_env(env: list[dict[str, Any]], cr: LLMDeployment) -> list[dict[str, Any]]:
-    """`env` with spec.engine.env after it; a variable the spec also sets takes the spec's
-    value (as in `fleetllm up`), and no name appears twice (server-side apply refuses that)."""
-    user = [var.model_dump(by_alias=True, exclude_none=True) for var in cr.spec.engine.env]
-    names = {var["name"] for var in user}
-    return [var for var in env if var["name"] not in names] + user
-
-
-def _env(cr: LLMDeployment) -> list[dict[str, Any]]:
-    env = _base_env()
-    if cr.spec.engine.backend == "vllm":
-        env += [
-            {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
-            {"name": "DO_NOT_TRACK", "value": "1"},
-        ]
-    return _with_user_env(env, cr)
-
-
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
     return {
         "httpGet": {"path": path, "port": PORT_NAME},
@@ -265,7 +237,7 @@ def _pull_container(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> di
         "command": ["fleetllm", "model", "pull"],
         "args": [cr.spec.model.source, plan.model_path, *(["--read-only"] if read_only else [])],
         # Credentials (HF_TOKEN, AWS_*) come from the same variables the engine gets.
-        "env": _with_user_env(_base_env(), cr),
+        "env": with_user_env(base_env(), cr),
         "resources": {
             "requests": {"cpu": "1", "memory": "512Mi"},
             "limits": {"memory": "1Gi"},
@@ -310,7 +282,7 @@ def _pod_spec(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[str
         "command": list(plan.command),
         "args": list(plan.args),
         "ports": [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": _env(cr),
+        "env": engine_env(cr),
         "resources": _resources(cr, plan, config),
         "volumeMounts": mounts,
         "startupProbe": _probe("/health", 10, math.ceil(startup / 10)),

@@ -147,9 +147,11 @@ class EngineSpec(SpecModel):
     )
     extra_args: list[str] = Field(
         default_factory=list,
-        description="Extra engine flags, appended after the planned ones; flags the planner "
-        "sets are refused here (use the matching spec field), and with the builtin engine so "
-        "is anything `fleetllm engine serve` would refuse.",
+        description="Extra engine flags, appended after the planned ones and read as the "
+        "engine's own parser reads them (vLLM's: `--max_model_len`, `--flag=value`, unique "
+        "prefixes); flags the planner sets are refused here, however spelt (use the matching "
+        "spec field), and so is anything the engine's parser would refuse (an unknown flag, a "
+        "missing value, a bad choice), with its message.",
     )
     env: list[EnvVar] = Field(
         default_factory=list,

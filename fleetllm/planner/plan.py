@@ -21,7 +21,7 @@ from fleetllm.planner.checks import (
 from fleetllm.planner.engine_argv import engine_command
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.extra_args import check_extra_args
-from fleetllm.planner.memory import BLOCK_SIZE, MemoryEstimate, estimate, gib, weight_bytes
+from fleetllm.planner.memory import MemoryEstimate, estimate, gib, weight_bytes
 from fleetllm.planner.parallelism import check_builtin_parallelism, check_parallelism
 from fleetllm.planner.placement import IN_CLUSTER, LocalPlacement, Placement
 from fleetllm.planner.resolve import (
@@ -162,7 +162,7 @@ def plan(
         kv_cache_dtype=kv_dtype,
         weights=quant.weights,
         gpu_memory_utilization=float(tuning.memory_utilization),
-        block_size=BLOCK_SIZE,
+        block_size=est.block_size,
         num_kv_blocks=est.num_kv_blocks,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=batched,

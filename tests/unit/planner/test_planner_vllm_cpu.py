@@ -51,6 +51,8 @@ def test_vllm_on_a_cpu_gets_the_planned_kv_cache_in_bytes() -> None:
     assert kv == status.max_concurrent_tokens * status.kv_bytes_per_token
     assert kv // status.kv_bytes_per_token // status.block_size == status.num_kv_blocks
     assert "--gpu-memory-utilization" not in flags
+    # vLLM's CPU attention takes only multiples of 32 tokens a block (it refuses 16 at start).
+    assert flags["--block-size"] == str(status.block_size) == "128"
     assert flags["--dtype"] == "bfloat16" and flags["--max-model-len"] == "2048"
     assert status.image == VLLM_CPU_IMAGE
     # What does not apply is said, with what the engine does instead.

@@ -45,7 +45,7 @@ def _served(replicas: list[Replica]) -> list[float]:
     return [metric_sum(r.metrics(), "vllm:request_success_total") for r in replicas]
 
 
-def _fill(replica: Replica, count: int, max_tokens: int = 400) -> list[threading.Thread]:
+def _fill(replica: Replica, count: int, max_tokens: int = 200) -> list[threading.Thread]:
     """`count` long requests straight to `replica` (not through the router), in threads."""
 
     def one() -> None:

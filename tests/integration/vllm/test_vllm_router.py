@@ -45,20 +45,34 @@ def _served(replicas: list[Replica]) -> list[float]:
     return [metric_sum(r.metrics(), "vllm:request_success_total") for r in replicas]
 
 
-def _fill(replica: Replica, count: int, max_tokens: int = 200) -> list[threading.Thread]:
-    """`count` long requests straight to `replica` (not through the router), in threads."""
+class Fill:
+    """`count` long streamed requests straight to `replica` (not through the router), until
+    `stop`: their connections close, and vLLM aborts them."""
 
-    def one() -> None:
-        body = {"model": MODEL, "prompt": "Count on:", "max_tokens": max_tokens}
+    def __init__(self, replica: Replica, count: int) -> None:
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._one, args=(replica,), daemon=True) for _ in range(count)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _one(self, replica: Replica) -> None:
+        body = {"model": MODEL, "prompt": "Count on:", "max_tokens": 900, "stream": True}
         body["ignore_eos"] = True
         # The failover test kills the replica under them.
-        with contextlib.suppress(httpx.TransportError):
-            httpx.post(f"{replica.url}/v1/completions", json=body, timeout=600)
+        with (
+            contextlib.suppress(httpx.TransportError),
+            httpx.stream("POST", f"{replica.url}/v1/completions", json=body, timeout=600) as r,
+        ):
+            for _ in r.iter_lines():
+                if self._stop.is_set():
+                    break
 
-    threads = [threading.Thread(target=one, daemon=True) for _ in range(count)]
-    for thread in threads:
-        thread.start()
-    return threads
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60)
 
 
 def _running(replica: Replica) -> float:
@@ -129,7 +143,7 @@ def test_least_load_reads_vllms_metrics_and_avoids_the_busy_replica(
     least_load: Router, vllm_replicas: list[Replica]
 ) -> None:
     busy, idle = vllm_replicas
-    threads = _fill(busy, 6)
+    fill = Fill(busy, 6)
     # vLLM's own gauges show the queue (engine="0" samples, summed per replica) ...
     wait_until(lambda: _running(busy) == 4 and _waiting(busy) == 2, "busy replica full")
     # ... which the router scrapes every second: give it two scrapes to see them.
@@ -139,8 +153,7 @@ def test_least_load_reads_vllms_metrics_and_avoids_the_busy_replica(
         least_load.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert least_load.upstream(idle.url) - sent[idle.url] == 5
     assert least_load.upstream(busy.url) == sent[busy.url]
-    for thread in threads:
-        thread.join(600)
+    fill.stop()
 
 
 def test_prefix_routing_keeps_a_shared_system_prompt_on_one_replica_and_hits_its_cache(
@@ -170,7 +183,7 @@ def test_a_replica_killed_before_its_first_token_fails_over_to_the_other(
     least_load: Router, vllm_replicas: list[Replica]
 ) -> None:
     # Both replicas full: a new request waits in a queue, before its first token.
-    threads = [t for r in vllm_replicas for t in _fill(r, 4, max_tokens=120)]
+    fills = [Fill(r, 4) for r in vllm_replicas]
     wait_until(lambda: all(_running(r) == 4 for r in vllm_replicas), "both replicas full")
     answer: list[object] = []
 
@@ -189,11 +202,11 @@ def test_a_replica_killed_before_its_first_token_fails_over_to_the_other(
     victim = next(r for r in vllm_replicas if _waiting(r) > 0)
     retries = metric_sum(least_load.metrics(), "fleetllm:router_upstream_retries_total")
     victim.kill()
+    for fill in fills:  # the survivor's slots free up for the request tried there again
+        fill.stop()
     thread.join(600)
     (tokens,) = answer
     assert isinstance(tokens, list) and "".join(tokens)
     assert metric_sum(least_load.metrics(), "fleetllm:router_upstream_retries_total") > retries
     survivor = next(r for r in vllm_replicas if r is not victim)
     assert least_load.upstream(survivor.url) >= 1
-    for t in threads:
-        t.join(600)

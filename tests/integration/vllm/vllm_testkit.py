@@ -53,6 +53,7 @@ spec:
 FLEET = (
     MANIFEST
     + """\
+  routing: {strategy: least-load}
   scaling:
     minReplicas: 1
     maxReplicas: 2
@@ -61,7 +62,9 @@ FLEET = (
 """
 )
 """The same model under `fleetllm up`'s autoscaler: one replica, two under load (six clients
-on four sequence slots need 6 / (4 x 0.8) = 1.9 replicas); back to one 20 s after."""
+on four sequence slots need 6 / (4 x 0.8) = 1.9 replicas); back to one 20 s after. Least
+load, so that two requests of one prompt run one on each replica (the prefix strategy would
+keep both on the prompt's home)."""
 
 
 def wait_until(predicate: Callable[[], bool], what: str, guard_s: float = GUARD_S) -> None:

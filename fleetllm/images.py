@@ -45,7 +45,9 @@ BUILT_IMAGES: tuple[BuiltImage, ...] = (
 # when given --shutdown-timeout and takes the model as `vllm serve MODEL`.
 VLLM_VERSION = "0.32.0"
 VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
-UPSTREAM_IMAGES: tuple[str, ...] = (VLLM_IMAGE,)
+# vLLM's CPU build (x86), as published by the vLLM project, of the same release.
+VLLM_CPU_IMAGE = f"public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v{VLLM_VERSION}"
+UPSTREAM_IMAGES: tuple[str, ...] = (VLLM_IMAGE, VLLM_CPU_IMAGE)
 
 
 def built_image(reference: str) -> BuiltImage | None:

@@ -121,11 +121,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     from fleetllm.local.deployments import (
         FleetError,
         check_gpus,
-        find_vllm,
         load_fleet,
         local_gpus,
         local_notes,
     )
+    from fleetllm.local.vllm import find_vllm_python
     from fleetllm.planner.summary import plan_summary
 
     if args.shutdown_grace_period < 0:
@@ -138,7 +138,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
     port = _port(args)
     try:
-        models = load_fleet(args.filename, vllm=find_vllm())
+        models = load_fleet(args.filename, vllm=find_vllm_python())
         gpus = local_gpus() if any(m.devices_per_replica for m in models) else []
         check_gpus(models, len(gpus))
     except FleetError as exc:
@@ -154,10 +154,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         events = _configure_logging(args.log_level, log_dir, live=sys.stdout.isatty())
     except OSError as exc:
         raise ValueError(f"cannot write the logs to {log_dir}: {exc.strerror or exc}") from None
-    for name, model_notes in notes.items():
-        for note in model_notes:
+    for model in models:
+        # The plan's own notes (what the engine does not apply here) are in its summary.
+        for note in [*notes[model.name], *model.plan.notes]:
             logging.getLogger("fleetllm.local").warning(
-                "not done on this machine", extra={"model": name, "note": note}
+                "not done on this machine", extra={"model": model.name, "note": note}
             )
     return asyncio.run(
         run_fleet(
@@ -196,7 +197,7 @@ async def run_fleet(
     from aiohttp import web
 
     from fleetllm.local.autoscaler import run_autoscaler
-    from fleetllm.local.launch import GPUPool, cpu_threads
+    from fleetllm.local.launch import GPUPool, cpu_threads, hold_timeout
     from fleetllm.local.status import StatusView
     from fleetllm.local.supervisor import Supervisor, SupervisorSettings
     from fleetllm.router.config import RouterSettings
@@ -205,13 +206,18 @@ async def run_fleet(
     log = logging.getLogger("fleetllm.local")
     shown_host = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::") else host
     endpoint = f"http://{shown_host}:{port}/v1"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else list(range(os.cpu_count() or 1))
+    )
     cpu_replicas = sum(m.max_replicas for m in models if not m.plan.gpu.is_gpu)
     settings = SupervisorSettings(
         log_dir=log_dir,
         endpoint=endpoint,
         grace_s=grace_s,
-        cpu_threads=cpu_threads(cores or 1, cpu_replicas),
+        cpu_threads=cpu_threads(len(cores), cpu_replicas),
+        cpu_cores=tuple(cores),
     )
     router: Router | None = None
 
@@ -219,7 +225,11 @@ async def run_fleet(
         return router.pool.in_flight(model, url) if router is not None else 0
 
     supervisor = Supervisor(models, settings, gpus=GPUPool(gpus), in_flight=in_flight)
-    router = Router(RouterSettings(host=host, port=port), supervisor.discovery, keys_file=keys_file)
+    router = Router(
+        RouterSettings(host=host, port=port, hold_timeout=hold_timeout(models)),
+        supervisor.discovery,
+        keys_file=keys_file,
+    )
     runner = web.AppRunner(
         router.app(), handler_cancellation=True, access_log=None, shutdown_timeout=grace_s
     )

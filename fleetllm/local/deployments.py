@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -28,6 +27,7 @@ from fleetllm.api.manifests import (
 from fleetllm.api.source import ModelSource
 from fleetllm.engine import cpu_features
 from fleetllm.local.launch import LocalModel
+from fleetllm.local.vllm import INSTALL_HINT, vllm_executable
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.placement import LocalPlacement
 from fleetllm.planner.plan import plan
@@ -46,10 +46,10 @@ DEFAULT_MANIFEST: dict[str, Any] = {
 }
 DEFAULT_WHERE = "the built-in default"
 
-# Which sources each backend loads on this machine: hf:// and s3:// weights are pulled into the
-# local cache first, as the operator's init container pulls them into a pod's; a pvc:// claim
-# exists only in a cluster.
-LOCAL_SOURCES = {"builtin": ("builtin", "file", "hf", "s3"), "vllm": ("file", "hf", "s3")}
+# The sources both backends load on this machine: hf:// and s3:// weights are pulled into the
+# local cache first, as the operator's init container pulls them into a pod's, and a built-in
+# model is converted there for vLLM; a pvc:// claim exists only in a cluster.
+LOCAL_SOURCES = ("builtin", "file", "hf", "s3")
 PULLED = "pulled"
 """The folder of the local cache that pulled weights go to."""
 
@@ -63,10 +63,24 @@ def default_deployment() -> LLMDeployment:
     return parse_llmdeployment(DEFAULT_MANIFEST, DEFAULT_WHERE)
 
 
-def find_vllm() -> str | None:
-    """The `vllm` command of this environment (next to this Python), else on PATH."""
-    here = Path(sys.executable).parent
-    return shutil.which("vllm", path=os.pathsep.join([str(here), os.environ.get("PATH", "")]))
+def converted_folders(cache: Path) -> dict[str, str]:
+    """Built-in name -> the Hugging Face folder its GGUF file is converted into in `cache`
+    (what vLLM loads; the folder is made before the replicas start). Built-in models whose
+    package is missing are left out: the planner then says so."""
+    from fleetllm.engine.model_files import (
+        BUILTIN_MODELS,
+        ModelResolutionError,
+        builtin_gguf,
+        converted_dir_for,
+    )
+
+    folders = {}
+    for name in BUILTIN_MODELS:
+        try:
+            folders[name] = str(converted_dir_for(builtin_gguf(name), cache))
+        except ModelResolutionError:
+            continue
+    return folders
 
 
 def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
@@ -111,20 +125,20 @@ def localize(cr: LLMDeployment, base: Path) -> LLMDeployment:
     return cr.model_copy(update={"spec": spec})
 
 
-def _local_problems(cr: LLMDeployment, vllm: str | None) -> list[str]:
+def _local_problems(cr: LLMDeployment, vllm: Path | None) -> list[str]:
     spec = cr.spec
     problems = []
     source = ModelSource.parse(spec.model.source)
-    if source.scheme not in LOCAL_SOURCES[spec.engine.backend]:
-        usable = ", ".join(f"{s}://" for s in LOCAL_SOURCES[spec.engine.backend])
+    if source.scheme not in LOCAL_SOURCES:
+        usable = ", ".join(f"{s}://" for s in LOCAL_SOURCES)
         problems.append(
             f"model.source {spec.model.source!r}: the {spec.engine.backend} engine cannot load "
             f"a {source.scheme}:// source on this machine (it loads {usable})"
         )
     if spec.engine.backend == "vllm" and vllm is None:
         problems.append(
-            "engine.backend vllm runs the vLLM OpenAI server, which is not installed here; "
-            "install it (pip install 'fleetllm[vllm]') or use engine.backend: builtin"
+            "engine.backend vllm runs vLLM's OpenAI server, which is not installed here: "
+            f"{INSTALL_HINT}; or use engine.backend: builtin"
         )
     for index, var in enumerate(spec.engine.env):
         if var.value_from is not None:
@@ -141,7 +155,7 @@ def local_notes(cr: LLMDeployment, grace_s: float) -> list[str]:
     spec = cr.spec
     engine = spec.engine
     notes = []
-    runs = "`fleetllm engine serve`" if engine.backend == "builtin" else "`vllm serve`"
+    runs = "`fleetllm engine serve`" if engine.backend == "builtin" else "vLLM's `vllm serve`"
     for name, value in (
         ("engine.image", engine.image),
         ("engine.imagePullPolicy", engine.image_pull_policy),
@@ -186,12 +200,12 @@ def local_notes(cr: LLMDeployment, grace_s: float) -> list[str]:
 def load_fleet(
     paths: Sequence[Path],
     *,
-    vllm: str | None = None,
+    vllm: Path | None = None,
     cache: Path | None = None,
     cpu_bf16: bool | None = None,
 ) -> list[LocalModel]:
     """The planned models of the manifests in `paths` (the built-in default when empty).
-    `vllm`: the vLLM command (`find_vllm()`), None when vLLM is not installed; `cache`: the
+    `vllm`: vLLM's Python (`find_vllm_python()`), None when it is not installed; `cache`: the
     model cache (default: the engine's); `cpu_bf16`: whether this machine's CPU computes
     bfloat16 natively, so that `dtype: auto` is planned as the engine's auto picks here
     (default: read from the CPU). Raises FleetError with every problem, and
@@ -200,7 +214,7 @@ def load_fleet(
 
     cache = cache_root() if cache is None else cache
     config = OperatorConfig(cpu_bf16=cpu_features.native_bf16() if cpu_bf16 is None else cpu_bf16)
-    placement = LocalPlacement(cache / PULLED)
+    placement = LocalPlacement(cache / PULLED, converted_folders(cache))
     found: list[tuple[LLMDeployment, str, Path]] = []
     if not paths:
         found.append((default_deployment(), DEFAULT_WHERE, Path.cwd()))
@@ -240,8 +254,8 @@ def load_fleet(
             continue
         if not local:
             executable = (
-                (sys.executable, "-m", "fleetllm.cli") if cr.spec.engine.backend == "builtin"
-                else (str(vllm),)
+                vllm_executable(vllm) if vllm is not None and cr.spec.engine.backend == "vllm"
+                else (sys.executable, "-m", "fleetllm.cli")
             )  # fmt: skip
             models.append(LocalModel(cr, planned, where, executable))
     if problems:

@@ -14,8 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fleetllm.api.deployment import LLMDeployment
+from fleetllm.local.vllm import cpu_env
 from fleetllm.planner.plan import Plan
 from fleetllm.planner.timing import startup_seconds
+from fleetllm.router.config import RouterSettings
 
 LOOPBACK = "127.0.0.1"
 VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -68,6 +70,15 @@ class LocalModel:
         return startup_seconds(self.plan)
 
 
+def hold_timeout(models: Sequence[LocalModel]) -> float:
+    """How long the router holds a request for a model without a ready replica: as long as
+    the slowest replica may take to start (vLLM's CPU build compiles for minutes), so that a
+    request that wakes a vLLM model at zero replicas is answered, not refused; the
+    router's default for the builtin engine, which starts in seconds."""
+    vllm = [m.startup_seconds for m in models if m.backend == "vllm"]
+    return max([RouterSettings.hold_timeout, *vllm])
+
+
 def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(arg == flag or arg.startswith(flag + "=") for arg in args)
 
@@ -108,12 +119,18 @@ def spec_env(model: LocalModel, base: Mapping[str, str]) -> dict[str, str]:
 
 
 def replica_env(
-    model: LocalModel, base: Mapping[str, str], devices: Sequence[str] | None
+    model: LocalModel,
+    base: Mapping[str, str],
+    devices: Sequence[str] | None,
+    cores: Sequence[int] = (),
 ) -> dict[str, str]:
-    """The environment of one replica: ours, the spec's variables, the GPUs it was given."""
+    """The environment of one replica: ours, vLLM's settings (its threads on `cores`, this
+    fleet's cores, for a CPU replica), the spec's variables, the GPUs it was given."""
     env = dict(base)
     if model.backend == "vllm":
         env.update(VLLM_ENV)
+        if not model.plan.gpu.is_gpu and cores:
+            env.update(cpu_env(cores))
     env = spec_env(model, env)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)

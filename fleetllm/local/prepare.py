@@ -4,8 +4,9 @@ that the status view can show its progress:
 
 - an hf:// or s3:// SOURCE is pulled into the folder PATH (`fleetllm model pull`, as the
   operator's init container pulls it into a pod);
-- with `--resolve` (the builtin engine), PATH is resolved as the engine will: a GGUF file,
-  such as the embedded default model's, is converted once into the cache.
+- with `--resolve` (the builtin engine, and vLLM for a builtin:// SOURCE), PATH is resolved as
+  the engine will: a GGUF file, such as the embedded default model's, is converted once into
+  the cache (a builtin:// SOURCE into the folder `converted_dir_for` names, which vLLM loads).
 
 It runs as a process of its own, so that stopping the fleet stops it at once. It writes JSON
 lines to stdout: `{"done": N, "total": M, "unit": "bytes" | "tensors"}` as it goes, then
@@ -63,14 +64,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         path = Path(args.path)
-        if ModelSource.parse(args.source).downloaded:
+        source = ModelSource.parse(args.source)
+        if source.downloaded:
             pull_log = logging.getLogger("fleetllm.pull")
             pull_log.setLevel(logging.INFO)
             pull_log.addHandler(PullProgress())
             pull(args.source, path)
         if args.resolve:
+            # A built-in model by its source: PATH may be the folder it is converted into.
             path = resolve_model(
-                args.path,
+                args.source if source.scheme == "builtin" else args.path,
                 on_progress=lambda done, total: _emit(
                     {"done": done, "total": total, "unit": "tensors"}
                 ),

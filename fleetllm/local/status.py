@@ -52,6 +52,8 @@ class ModelView:
     """(done, total, unit) while the model's weights are pulled ("bytes") or converted
     ("tensors")."""
     problem: str | None = None
+    notes: tuple[str, ...] = ()
+    """What of the plan the engine does not apply on this machine (shown under the model)."""
 
     @property
     def ready(self) -> int:
@@ -143,6 +145,8 @@ def table(
             _seconds(view.queue_p90_s),
             view.problem or view.last_scale or "",
         )
+        for note in view.notes:
+            bars.add_row(f"{view.name}: note", Text(note, style="dim"), "")
         if view.preparing is not None:
             done, total, unit = view.preparing
             if unit == "bytes":

@@ -142,6 +142,8 @@ class SupervisorSettings:
     its model's engine.drainSeconds)."""
     cpu_threads: int | None = None
     """Torch threads of each CPU replica."""
+    cpu_cores: tuple[int, ...] = ()
+    """The cores this fleet runs on (what vLLM's CPU replicas bind their threads to)."""
 
 
 class Supervisor:
@@ -286,9 +288,11 @@ class Supervisor:
         model = fleet.model
         argv = [sys.executable, "-m", "fleetllm.local.prepare", model.cr.spec.model.source]
         argv.append(model.plan.model_path)
-        if model.backend == "builtin":
+        # A built-in model is converted once: the builtin engine loads it, vLLM its folder.
+        resolve = model.backend == "builtin" or model.plan.source.scheme == "builtin"
+        if resolve:
             argv.append("--resolve")
-        if model.backend == "builtin" or model.plan.source.downloaded:
+        if resolve or model.plan.source.downloaded:
             process = await GuardedProcess.start(
                 argv,
                 # As the pod's pull container, with the spec's variables (credentials).
@@ -393,7 +397,7 @@ class Supervisor:
         port = free_port()
         threads = None if model.plan.gpu.is_gpu else self.settings.cpu_threads
         argv = replica_argv(model, port, threads=threads)
-        env = replica_env(model, os.environ, replica.devices)
+        env = replica_env(model, os.environ, replica.devices, self.settings.cpu_cores)
         replica.url = f"http://127.0.0.1:{port}"
         replica.ready_since = None
         replica.set_state(State.STARTING)
@@ -544,6 +548,7 @@ class Supervisor:
                 queue_p90_s=f.load.queue_p90_s,
                 last_scale=f.last_scale,
                 preparing=f.preparing,
+                notes=f.model.plan.notes,
             )
             for f in self.fleets.values()
         ]

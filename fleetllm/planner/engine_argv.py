@@ -8,7 +8,8 @@ import json
 from fleetllm.api.catalog import GPUType
 from fleetllm.api.contract import ENGINE_PORT
 from fleetllm.api.deployment import LLMDeploymentSpec
-from fleetllm.planner.memory import BLOCK_SIZE, MemoryEstimate
+from fleetllm.planner.memory import MemoryEstimate
+from fleetllm.planner.vllm_cpu import KV_FLAG, kv_cache_bytes
 
 VLLM_QUANTIZATION_FLAG = {
     # Pre-quantized checkpoints: name the fast Marlin kernels (vLLM picks the slow ones when
@@ -45,7 +46,7 @@ def engine_command(
         "--max-model-len",
         str(max_model_len),
         "--block-size",
-        str(BLOCK_SIZE),
+        str(est.block_size),
     )
     quant = spec.quantization
     if spec.engine.backend == "builtin":
@@ -80,8 +81,7 @@ def engine_command(
         # Drain on SIGTERM: running requests get this long before vLLM stops.
         "--shutdown-timeout",
         drain,
-        "--gpu-memory-utilization",
-        f"{float(est.tuning.memory_utilization):.2f}",
+        *_vllm_memory_args(gpu, est),
         "--max-num-seqs",
         str(max_num_seqs),
         "--max-num-batched-tokens",
@@ -94,13 +94,22 @@ def engine_command(
     ]
     if quant.weights != "none":
         flag = VLLM_QUANTIZATION_FLAG[quant.weights]
-        if gpu.compute_capability is not None and gpu.compute_capability < (8, 0):
-            flag = flag.removesuffix("_marlin")  # Marlin kernels need Ampere or later
+        if not gpu.is_gpu or (
+            gpu.compute_capability is not None and gpu.compute_capability < (8, 0)
+        ):
+            flag = flag.removesuffix("_marlin")  # Marlin kernels need CUDA, Ampere or later
         args += ["--quantization", flag]
     if quant.kv_cache != "auto":
         args += ["--kv-cache-dtype", quant.kv_cache]
     args += _speculative_args(spec)
     return ("vllm", "serve"), tuple(args)
+
+
+def _vllm_memory_args(gpu: GPUType, est: MemoryEstimate) -> tuple[str, str]:
+    """How vLLM sizes its KV cache: a share of the GPU, or on a CPU the planned bytes."""
+    if gpu.is_gpu:
+        return ("--gpu-memory-utilization", f"{float(est.tuning.memory_utilization):.2f}")
+    return (KV_FLAG, str(kv_cache_bytes(est)))
 
 
 def _speculative_args(spec: LLMDeploymentSpec) -> list[str]:

@@ -7,6 +7,7 @@ reproducible by hand:
     overhead    = runtime + activations(max_num_batched_tokens) + logits(max_num_seqs)
     kv/token    = 2 x ceil(layers / pipeline) x max(1, kv_heads / tensor) x head_dim x kv bytes
     capacity    = floor((budget - weights - overhead) / kv/token), whole blocks of 16 tokens
+                  (128 for vLLM on a CPU, whose attention kernels need multiples of 32)
 
 For the builtin engine, weights and kv/token are exactly what each of its ranks allocates
 (the engine's own formulas, `fleetllm.engine.sizing`); a CPU replica's ranks share the pod's
@@ -23,6 +24,9 @@ from fleetllm.api.catalog import GIB, GPUType, ModelArch
 from fleetllm.engine import sizing
 
 BLOCK_SIZE = 16
+# vLLM's CPU attention kernels take only multiples of 32 tokens a block; 128 is its own
+# default there.
+VLLM_CPU_BLOCK_SIZE = 128
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,9 @@ TUNING: dict[str, ClassTuning] = {
 RUNTIME_OVERHEAD_GPU = 3 * GIB // 4
 RUNTIME_OVERHEAD_MULTI_DEVICE = GIB // 4
 RUNTIME_OVERHEAD_CPU = GIB // 2
+# vLLM's CPU build runs two processes with torch loaded (the API server and the engine core),
+# about 1.5 GiB resident together before any KV cache (SmolLM2-135M, vLLM 0.32).
+RUNTIME_OVERHEAD_VLLM_CPU = 3 * GIB // 2
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Bytes per parameter of a quantized projection matrix. awq/gptq: 4-bit weights plus one
@@ -76,6 +83,7 @@ class MemoryEstimate:
     kv_bytes_per_token: int
     capacity_tokens: int
     tuning: ClassTuning
+    block_size: int = BLOCK_SIZE
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -83,7 +91,7 @@ class MemoryEstimate:
 
     @property
     def num_kv_blocks(self) -> int:
-        return self.capacity_tokens // BLOCK_SIZE
+        return self.capacity_tokens // self.block_size
 
     def sequences(self, max_model_len: int) -> int:
         return self.capacity_tokens // max_model_len
@@ -176,7 +184,8 @@ def estimate(
         runtime = RUNTIME_OVERHEAD_GPU + (RUNTIME_OVERHEAD_MULTI_DEVICE if devices > 1 else 0)
     else:
         # The engine process, plus one worker process per rank when there are several.
-        runtime = RUNTIME_OVERHEAD_CPU * (1 if devices == 1 else devices + 1)
+        per_process = RUNTIME_OVERHEAD_VLLM_CPU if backend == "vllm" else RUNTIME_OVERHEAD_CPU
+        runtime = per_process * (1 if devices == 1 else devices + 1)
     overhead = runtime + activations + logits
     if backend == "builtin":
         weights_per_device = sharing * builtin_weight_bytes(
@@ -195,7 +204,8 @@ def estimate(
             arch, tensor=tensor, pipeline=pipeline, kv_dtype_bytes=kv_dtype_bytes
         )
     free = budget - weights_per_device - overhead
-    capacity = (max(0, free) // per_token) // BLOCK_SIZE * BLOCK_SIZE
+    block = VLLM_CPU_BLOCK_SIZE if backend == "vllm" and not gpu.is_gpu else BLOCK_SIZE
+    capacity = (max(0, free) // per_token) // block * block
     return MemoryEstimate(
         memory_bytes=memory,
         budget_bytes=budget,
@@ -204,6 +214,7 @@ def estimate(
         kv_bytes_per_token=per_token,
         capacity_tokens=capacity,
         tuning=tuning,
+        block_size=block,
     )
 
 

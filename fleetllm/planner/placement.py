@@ -5,7 +5,8 @@ every runner starts the planned command as it is."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetllm.api.source import ModelSource
@@ -21,7 +22,7 @@ class ClusterPlacement:
     """A pod: the operator mounts a pvc:// claim at MODEL_MOUNT and pulls hf:// and s3://
     weights into the model cache volume at MODEL_CACHE_MOUNT."""
 
-    def model_path(self, source: ModelSource) -> str:
+    def model_path(self, source: ModelSource, backend: str = "builtin") -> str:
         """What the engine loads: a built-in model's name, or a folder in the pod."""
         if source.scheme in ("builtin", "file"):
             return source.location
@@ -34,13 +35,18 @@ class ClusterPlacement:
 class LocalPlacement:
     """A process on this machine: a file:// source is a path here, and hf:// and s3://
     weights are pulled into `pulled`, a folder of the local cache, as into a pod's model
-    cache volume. (A pvc:// claim exists only in a cluster; the local fleet refuses it.)"""
+    cache volume. (A pvc:// claim exists only in a cluster; the local fleet refuses it.)
+    vLLM cannot read a built-in model's GGUF file: it loads the Hugging Face folder the
+    local fleet converts it into, named in `converted` (built-in name -> folder)."""
 
     pulled: Path
+    converted: Mapping[str, str] = field(default_factory=dict)
 
-    def model_path(self, source: ModelSource) -> str:
-        """What the engine loads: a built-in model's name, a local path, or the folder of the
-        local cache the weights are pulled to."""
+    def model_path(self, source: ModelSource, backend: str = "builtin") -> str:
+        """What the engine loads: a built-in model's name (its converted folder for vLLM), a
+        local path, or the folder of the local cache the weights are pulled to."""
+        if source.scheme == "builtin" and backend == "vllm":
+            return self.converted.get(source.location, source.location)
         if source.scheme in ("builtin", "file"):
             return source.location
         return str(self.pulled / source.cache_key())

@@ -10,7 +10,7 @@ from fleetllm.api.catalog import GPUType, ModelArch
 from fleetllm.api.deployment import LLMDeploymentSpec
 from fleetllm.api.source import ModelSource
 from fleetllm.api.status import PlanStatus
-from fleetllm.images import ENGINE_CUDA_IMAGE, ENGINE_IMAGE, VLLM_IMAGE
+from fleetllm.images import ENGINE_CUDA_IMAGE, ENGINE_IMAGE, VLLM_CPU_IMAGE, VLLM_IMAGE
 from fleetllm.planner.checks import (
     check_backend,
     check_claims,
@@ -21,7 +21,7 @@ from fleetllm.planner.checks import (
 from fleetllm.planner.engine_argv import engine_command
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.extra_args import check_extra_args
-from fleetllm.planner.memory import BLOCK_SIZE, MemoryEstimate, estimate, gib, weight_bytes
+from fleetllm.planner.memory import MemoryEstimate, estimate, gib, weight_bytes
 from fleetllm.planner.parallelism import check_builtin_parallelism, check_parallelism
 from fleetllm.planner.placement import IN_CLUSTER, LocalPlacement, Placement
 from fleetllm.planner.resolve import (
@@ -34,6 +34,7 @@ from fleetllm.planner.resolve import (
 )
 from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.planner.suggest import suggestions
+from fleetllm.planner.vllm_cpu import cpu_notes
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class Plan:
     model_path: str
     """Where the engine loads the model from (the placement's folder, or a built-in name)."""
     drain_seconds: int
+    notes: tuple[str, ...] = ()
+    """What of the plan the engine does not apply on this device, and what it does instead
+    (shown by `fleetllm plan` and `fleetllm up`, never dropped in silence)."""
 
     @property
     def devices(self) -> int:
@@ -77,7 +81,7 @@ def plan(
     source = ModelSource.parse(spec.model.source)
     check_placement(spec, source, placement)
     arch = resolve_arch(spec, source)
-    check_source(spec, source)
+    check_source(spec, source, placement)
     # Node labels pick cluster nodes; a local replica runs on this machine.
     labels = {} if local else node_selector(spec, gpu, config)
     check_claims(spec, source, config, claim_access_modes or {})
@@ -128,7 +132,7 @@ def plan(
         max_num_seqs = min(max_num_seqs, spec.engine.max_num_seqs)
     batched = max(max_num_seqs, min(tuning.max_num_batched_tokens, est.capacity_tokens))
     kv_dtype = dtype if quant.kv_cache == "auto" else quant.kv_cache
-    model_path = placement.model_path(source)
+    model_path = placement.model_path(source, spec.engine.backend)
     command, args = engine_command(
         spec,
         gpu,
@@ -158,7 +162,7 @@ def plan(
         kv_cache_dtype=kv_dtype,
         weights=quant.weights,
         gpu_memory_utilization=float(tuning.memory_utilization),
-        block_size=BLOCK_SIZE,
+        block_size=est.block_size,
         num_kv_blocks=est.num_kv_blocks,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=batched,
@@ -177,12 +181,13 @@ def plan(
         node_selector=labels,
         model_path=model_path,
         drain_seconds=spec.engine.drain_seconds,
+        notes=cpu_notes(est) if spec.engine.backend == "vllm" and not gpu.is_gpu else (),
     )
 
 
 def _default_image(spec: LLMDeploymentSpec, gpu: GPUType) -> str:
     if spec.engine.backend == "vllm":
-        return VLLM_IMAGE
+        return VLLM_IMAGE if gpu.is_gpu else VLLM_CPU_IMAGE
     return ENGINE_CUDA_IMAGE if gpu.is_gpu else ENGINE_IMAGE
 
 

@@ -44,6 +44,7 @@ def plan_summary(cr: LLMDeployment, result: Plan | PlanError) -> str:
         ),
         ("image", s.image),
         ("command", " ".join([*result.command, *s.engine_args])),
+        *(("note", note) for note in result.notes),
     ]
     width = max(len(label) for label, _ in rows)
     lines = "".join(f"  {label:<{width}}  {value}\n" for label, value in rows)

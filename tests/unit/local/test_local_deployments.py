@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 
 from fleetllm.cli import main
-from fleetllm.local import deployments
 from fleetllm.local.deployments import (
     FleetError,
     check_gpus,
     load_fleet,
     local_gpus,
 )
+from fleetllm.local.vllm import vllm_executable
 
-VLLM = "/opt/vllm/bin/vllm"
+VLLM = Path("/opt/vllm/bin/python")
 REFUSED = """\
 apiVersion: fleetllm.io/v1alpha1
 kind: LLMDeployment
@@ -77,14 +77,14 @@ def test_vllm_without_vllm_installed_is_a_clear_refusal(
     text = _manifest("qwen", "hf://Qwen/Qwen2.5-7B-Instruct", engine={"backend": "vllm"})
     text = text.replace('"type": "cpu"', '"type": "L4"')
     path = _write(tmp_path / "vllm.yaml", text)
-    with pytest.raises(FleetError, match=r"vLLM OpenAI server, which is not installed here"):
+    with pytest.raises(FleetError, match=r"vLLM's OpenAI server, which is not installed here"):
         load_fleet([path], vllm=None)
     (model,) = load_fleet([path], vllm=VLLM)
-    assert model.backend == "vllm" and model.executable == (VLLM,)
+    assert model.backend == "vllm" and model.executable == vllm_executable(VLLM)
 
-    monkeypatch.setattr(deployments, "find_vllm", lambda: None)
+    monkeypatch.setenv("FLEETLLM_VLLM_PYTHON", str(tmp_path / "no-such-python"))
     assert main(["up", "-f", str(path)]) == 1
-    assert "install it (pip install 'fleetllm[vllm]')" in capsys.readouterr().err
+    assert "FLEETLLM_WITH_VLLM=1 scripts/setup.sh" in capsys.readouterr().err
 
 
 def test_every_problem_of_every_manifest_is_reported_at_once(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from fleetllm.local.launch import (
     replica_argv,
     replica_env,
 )
+from fleetllm.local.vllm import vllm_executable
 
 VLLM_TP2 = """\
 apiVersion: fleetllm.io/v1alpha1
@@ -34,7 +35,7 @@ spec:
 """
 
 
-VLLM = "/opt/vllm/bin/vllm"
+VLLM = Path("/opt/vllm/bin/python")
 
 
 def _model(tmp_path: Path, text: str) -> LocalModel:
@@ -96,7 +97,7 @@ def test_vllm_replica_runs_the_planned_vllm_server_on_the_pulled_weights(
     # local cache the hf:// source is pulled to (a pod's model cache volume).
     pulled = tmp_path / "cache" / "pulled" / "hf" / "Qwen" / "Qwen2.5-7B-Instruct" / "main"
     assert model.plan.model_path == str(pulled)
-    assert argv[:3] == [VLLM, "serve", str(pulled)]
+    assert argv[:5] == [*vllm_executable(VLLM), "serve", str(pulled)]
     flags = _pairs(argv)
     assert flags["--tensor-parallel-size"] == "2"
     assert flags["--host"] == "127.0.0.1" and flags["--port"] == "5555"

@@ -20,7 +20,7 @@ from fleetllm.local.supervisor import ModelFleet, Supervisor, SupervisorSettings
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.plan import plan
 
-VLLM = "/opt/vllm/bin/vllm"
+VLLM = Path("/opt/vllm/bin/python")
 
 
 def _fleet(tmp_path: Path, spec: dict[str, Any], **kwargs: Any) -> LocalModel:

@@ -93,6 +93,15 @@ def test_live_table_shows_the_figures_and_progress_bars() -> None:
     assert "tiny: downloading the weights" in text and "3/270 MiB" in text
 
 
+def test_the_live_table_shows_what_of_the_plan_the_engine_does_not_apply() -> None:
+    note = "gpu-memory-utilization 0.90 is not passed: vLLM on a CPU has no device memory"
+    console = Console(record=True, width=160, file=io.StringIO())
+    console.print(table([_view(notes=(note,))]))
+    assert f"tiny: note {note}" in " ".join(console.export_text().split())
+    console.print(table([_view()]))
+    assert "note" not in console.export_text()
+
+
 def test_the_live_view_lists_the_latest_events_without_their_long_fields() -> None:
     events = RecentEvents(size=2)
     log = logging.getLogger("test.local-status")

@@ -219,9 +219,23 @@ def test_tensor_parallelism_must_divide_the_heads() -> None:
             "are not divisible by tensor parallelism 3",
         ),
         (
-            {"gpu": {"type": "cpu"}, "engine": {"backend": "vllm"}},
-            "UnsupportedBackend",
-            "needs a GPU",
+            {
+                "gpu": {"type": "cpu"},
+                "engine": {"backend": "vllm", "extraArgs": ["--kv_cache_memory_bytes=1000000"]},
+            },
+            "InvalidEngineArgs",
+            "--kv-cache-memory-bytes, which the planner owns on a CPU",
+        ),
+        (
+            {
+                "gpu": {"type": "cpu"},
+                "engine": {
+                    "backend": "vllm",
+                    "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "4"}],
+                },
+            },
+            "InvalidEngineEnv",
+            "would override the planned --kv-cache-memory-bytes",
         ),
         (
             {"engine": {"backend": "vllm"}, "parallelism": {"tensor": 8, "pipeline": 2}},

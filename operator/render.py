@@ -28,10 +28,12 @@ from fleetllm.api.deployment import API_VERSION, KIND, LLMDeployment
 from fleetllm.api.scaling import ScalingSpec
 from fleetllm.images import CONTROL_PLANE_IMAGE
 from fleetllm.operator import drain_hook
+from fleetllm.operator.render_access import key_env, networkpolicy_name, render_networkpolicy
 from fleetllm.planner.placement import MODEL_CACHE_MOUNT, MODEL_MOUNT
 from fleetllm.planner.plan import Plan
 from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.planner.timing import download_seconds, startup_seconds
+from fleetllm.policy.check import pull_env
 from fleetllm.scrape import KV_USAGE, QUEUE_TIME
 
 CACHE_DIR = "/var/cache/fleetllm"
@@ -121,6 +123,8 @@ def render_pdb(cr: LLMDeployment) -> dict[str, Any]:
         "spec": {
             "maxUnavailable": 1,
             "selector": {"matchLabels": selector_labels(cr.metadata.name)},
+            # A replica that never turns ready must not block node drains.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 
@@ -194,7 +198,8 @@ def _env(cr: LLMDeployment) -> list[dict[str, Any]]:
             {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
             {"name": "DO_NOT_TRACK", "value": "1"},
         ]
-    return _with_user_env(env, cr)
+    key = key_env(cr)
+    return [var for var in _with_user_env(env, cr) if var["name"] != key["name"]] + [key]
 
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
@@ -264,8 +269,9 @@ def _pull_container(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> di
         "image": CONTROL_PLANE_IMAGE,
         "command": ["fleetllm", "model", "pull"],
         "args": [cr.spec.model.source, plan.model_path, *(["--read-only"] if read_only else [])],
-        # Credentials (HF_TOKEN, AWS_*) come from the same variables the engine gets.
-        "env": _with_user_env(_base_env(), cr),
+        # Credentials (HF_TOKEN, AWS_*) come from the same variables the engine gets, and only
+        # those the policy names: never an endpoint override that would fill a shared cache.
+        "env": _base_env() + pull_env(_with_user_env([], cr), config.policy),
         "resources": {
             "requests": {"cpu": "1", "memory": "512Mi"},
             "limits": {"memory": "1Gi"},
@@ -544,6 +550,7 @@ def render(
         render_service(cr),
         render_deployment(cr, plan, config),
         render_pdb(cr),
+        render_networkpolicy(cr, config, _metadata(cr, networkpolicy_name(cr))),
     ]
     autoscaler = render_autoscaler(cr)
     if autoscaler is not None:

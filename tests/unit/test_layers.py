@@ -21,6 +21,7 @@ PACKAGE_OF = {
     "fleetllm/weights": "fleetllm.weights",
     "fleetllm/local": "fleetllm.local",
     "fleetllm/kube": "fleetllm.kube",
+    "fleetllm/policy": "fleetllm.policy",
 }
 
 # folder -> packages none of its modules may import (a backward arrow in the map)
@@ -45,6 +46,15 @@ FORBIDDEN = {
         "fleetllm.kube",
     ],
     "fleetllm/weights": ["fleetllm.operator", "fleetllm.router", "fleetllm.local"],
+    # The admin's rules are pure: the operator and `fleetllm render` both apply them.
+    "fleetllm/policy": [
+        "fleetllm.operator",
+        "fleetllm.planner",
+        "fleetllm.engine",
+        "fleetllm.router",
+        "fleetllm.local",
+        "fleetllm.kube",
+    ],
     "engine": ["fleetllm.operator", "fleetllm.router", "fleetllm.local", "fleetllm.kube"],
 }
 

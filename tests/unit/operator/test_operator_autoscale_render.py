@@ -51,7 +51,7 @@ def test_builtin_mode_renders_no_autoscaler() -> None:
     cr = deployment()
     assert cr.spec.scaling is not None and cr.spec.scaling.mode == "builtin"
     assert render_autoscaler(cr) is None
-    assert [o["kind"] for o in render(cr, plan(cr.spec))][-1] == "PodDisruptionBudget"
+    assert [o["kind"] for o in render(cr, plan(cr.spec))][-1] == "NetworkPolicy"
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)

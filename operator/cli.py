@@ -190,6 +190,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how often the autoscaler steps each LLMDeployment with spec.scaling.mode builtin "
         "(default: %(default)s)",
     )
+    p_run.add_argument(
+        "--resync-interval",
+        type=_positive_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="how often every LLMDeployment is reconciled whatever happened, so that nothing "
+        "missed (an update during an API outage) stays unapplied (default: %(default)s)",
+    )
     add_config_arguments(p_run)
     p_run.add_argument("--log-format", choices=["json", "plain"], default="json")
     p_run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -306,4 +314,5 @@ def cmd_operator_run(args: argparse.Namespace) -> int:
         verbose=args.verbose,
         config=config_from_args(args),
         autoscale_interval=args.autoscale_interval,
+        resync_interval=args.resync_interval,
     )

@@ -83,3 +83,10 @@ affinity:
 {{- define "fleetllm.engineNamespaces" -}}
 {{- toJson (.Values.networkPolicy.namespaces | default .Values.watchNamespaces) -}}
 {{- end -}}
+
+{{/* A list of globs as a CEL list of anchored regular expressions (raw strings). With
+"fold": true, case-insensitive. */}}
+{{- define "fleetllm.celGlobs" -}}
+{{- $fold := .fold -}}
+[{{- range $i, $glob := .globs }}{{ if $i }}, {{ end }}r'{{ if $fold }}(?i){{ end }}^{{ $glob | regexQuoteMeta | replace "\\*" ".*" | replace "\\?" "." }}$'{{- end }}]
+{{- end -}}

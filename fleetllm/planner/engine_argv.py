@@ -65,6 +65,10 @@ def engine_command(
             str(max_num_seqs),
             "--max-num-batched-tokens",
             str(batched),
+            # A bounded queue: past it the engine answers 503 (counted) and the router tries
+            # another replica, instead of requests piling up in one engine's memory.
+            "--max-waiting-requests",
+            str(waiting_bound(max_num_seqs)),
         ]
         if spec.parallelism.tensor > 1:
             builtin += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
@@ -101,6 +105,12 @@ def engine_command(
         args += ["--kv-cache-dtype", quant.kv_cache]
     args += _speculative_args(spec)
     return ("vllm", "serve"), tuple(args)
+
+
+def waiting_bound(max_num_seqs: int) -> int:
+    """Requests one builtin engine keeps waiting for a slot: a few batches' worth (vLLM has
+    no such bound; its queue is limited by the router's caps alone)."""
+    return max(16, 4 * max_num_seqs)
 
 
 def _speculative_args(spec: LLMDeploymentSpec) -> list[str]:

@@ -36,6 +36,7 @@ OWNED_FLAGS = {
     "--gpu-memory-utilization": "(planned)",
     "--max-num-seqs": "engine.maxNumSeqs",
     "--max-num-batched-tokens": "(planned)",
+    "--max-waiting-requests": "(planned)",
     "--tensor-parallel-size": "parallelism.tensor",
     "-tp": "parallelism.tensor",
     "--pipeline-parallel-size": "parallelism.pipeline",

@@ -119,6 +119,15 @@ def check(
             )
         )
     _env(cr, policy, report)
+    for i, arg in enumerate(cr.spec.engine.extra_args):
+        flag = arg.partition("=")[0]
+        pattern = refused_name(flag, policy.extra_args) if flag.startswith("-") else None
+        if pattern is not None:
+            add(
+                Violation(
+                    f"spec.engine.extraArgs[{i}]", "extraArgs.denied", f"{flag} matches {pattern!r}"
+                )
+            )
     for key in pod.annotations:
         pattern = refused_name(key, policy.annotations)
         if pattern is not None:

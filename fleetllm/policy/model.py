@@ -59,6 +59,9 @@ DEFAULT_DENIED_ANNOTATIONS = [
     "vault.hashicorp.com/*",
     "kubectl.kubernetes.io/default-container",
 ]
+# Engine flags that run code or read files the author picks (vLLM imports a repository's
+# Python with --trust-remote-code).
+DEFAULT_DENIED_ARGS = ["--trust-remote-code", "--allowed-local-media-path"]
 DEFAULT_SECRET_LABEL = "fleetllm.io/engine-env"
 
 
@@ -83,6 +86,10 @@ class Policy(SpecModel):
     env: NamePolicy = Field(
         default_factory=lambda: NamePolicy(denied=list(DEFAULT_DENIED_ENV)),
         description="spec.engine.env names (matched case-insensitively).",
+    )
+    extra_args: NamePolicy = Field(
+        default_factory=lambda: NamePolicy(denied=list(DEFAULT_DENIED_ARGS)),
+        description="spec.engine.extraArgs flags (the part before any `=`).",
     )
     pull_env: list[str] = Field(
         default_factory=lambda: list(DEFAULT_PULL_ENV),

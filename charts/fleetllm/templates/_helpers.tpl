@@ -85,8 +85,9 @@ affinity:
 {{- end -}}
 
 {{/* A list of globs as a CEL list of anchored regular expressions (raw strings). With
-"fold": true, case-insensitive. */}}
+"fold": true, case-insensitive; "tail": a regular expression allowed after the name. */}}
 {{- define "fleetllm.celGlobs" -}}
 {{- $fold := .fold -}}
-[{{- range $i, $glob := .globs }}{{ if $i }}, {{ end }}r'{{ if $fold }}(?i){{ end }}^{{ $glob | regexQuoteMeta | replace "\\*" ".*" | replace "\\?" "." }}$'{{- end }}]
+{{- $tail := .tail | default "" -}}
+[{{- range $i, $glob := .globs }}{{ if $i }}, {{ end }}r'{{ if $fold }}(?i){{ end }}^{{ $glob | regexQuoteMeta | replace "\\*" ".*" | replace "\\?" "." }}{{ $tail }}$'{{- end }}]
 {{- end -}}

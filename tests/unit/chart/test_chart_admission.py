@@ -69,6 +69,10 @@ def _llmd(**spec: Any) -> dict[str, Any]:
     }
 
 
+VLLM: dict[str, Any] = {
+    "model": {"name": "smol", "source": "hf://HuggingFaceTB/SmolLM2-135M"},
+    "gpu": {"type": "L4"},
+}
 CASES = {
     "plain": _llmd(),
     "fleet-image": _llmd(engine={"image": "ghcr.io/fleetllm/engine:9"}),
@@ -85,6 +89,11 @@ CASES = {
     "tolerate-all": _llmd(pod={"tolerations": [{"operator": "Exists"}]}),
     "gpu-toleration": _llmd(pod={"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}),
     "many": _llmd(replicas=50),
+    "remote-code": _llmd(**VLLM, engine={"backend": "vllm", "extraArgs": ["--trust-remote-code"]}),
+    "remote-code-value": _llmd(
+        **VLLM, engine={"backend": "vllm", "extraArgs": ["--trust-remote-code=1"]}
+    ),
+    "fine-arg": _llmd(engine={"extraArgs": ["--seed", "7"]}),
 }
 
 

@@ -106,6 +106,19 @@ def test_each_default_rule_refuses_the_field_it_names() -> None:
     }
 
 
+def test_flags_that_run_the_authors_code_are_refused() -> None:
+    cr = cpu_deployment(
+        model={"name": "smol", "source": "hf://HuggingFaceTB/SmolLM2-135M"},
+        engine={"backend": "vllm", "extraArgs": ["--trust-remote-code"]},
+        gpu={"type": "L4"},
+    )
+    assert refused(cr) == {"spec.engine.extraArgs[0]": "extraArgs.denied"}
+    allowing = Policy.model_validate(
+        {"extraArgs": {"denied": ["*"], "allowed": ["--trust-remote-code"]}}
+    )
+    assert refused(cr, allowing) == {}
+
+
 def test_the_admin_allows_what_the_defaults_refuse() -> None:
     cr = cpu_deployment(
         engine={

@@ -139,6 +139,8 @@ class AsyncEngine:
         self._factory = factory
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
+        self.on_overload: Callable[[], None] | None = None
+        """Called for each submission refused because the waiting queue is full (a metric)."""
         self._cond = threading.Condition()
         self._commands: list[tuple[str, RequestStream]] = []  # guarded by _cond
         self._stopping = False  # guarded by _cond
@@ -220,6 +222,8 @@ class AsyncEngine:
                 pending = sum(len(s.requests) for kind, s in self._commands if kind == "add")
                 waiting = (self.stats.num_waiting if self.stats else 0) + pending
                 if waiting + len(requests) > bound:
+                    if self.on_overload is not None:
+                        self.on_overload()
                     raise EngineOverloadedError(
                         f"the server is overloaded: {waiting} requests are waiting and this "
                         f"one adds {len(requests)} (the bound is {bound}); retry later"

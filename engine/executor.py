@@ -14,6 +14,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import socket
 import threading
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -87,6 +88,25 @@ class LocalExecutor:
         pass
 
 
+def loopback_store() -> tuple[socket.socket, dist.TCPStore]:
+    """A TCPStore that listens on the loopback only (the ranks are processes of this pod).
+    Given a host and port, torch's store listens on every interface: anyone who reaches the
+    pod could join or poison the rendezvous. The listening socket is kept by the caller."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    store = dist.TCPStore(
+        "127.0.0.1",
+        listener.getsockname()[1],
+        None,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=COLLECTIVE_TIMEOUT,
+        master_listen_fd=listener.fileno(),
+    )
+    return listener, store
+
+
 class MultiprocExecutor:
     """`size` worker processes, one per tensor-parallel rank, driven in lock-step."""
 
@@ -98,9 +118,7 @@ class MultiprocExecutor:
         self._closing = False
         ctx = multiprocessing.get_context("spawn")
         # The ranks meet at a store this process hosts, on a free port of the loopback.
-        self._store = dist.TCPStore(
-            "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT
-        )
+        self._listener, self._store = loopback_store()
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         for rank in range(size):

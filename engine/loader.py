@@ -27,7 +27,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()))
+        # Shards are files of this folder: a path in the index (`../`) would read outside it.
+        outside = [n for n in names if Path(n).name != n or n in ("", ".", "..")]
+        if outside:
+            raise ValueError(f"{index} names shards outside the model folder: {outside[:5]}")
+        return [model_dir / name for name in names]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")

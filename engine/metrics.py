@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -75,6 +75,12 @@ class EngineMetrics:
             "Histogram of time spent in DECODE phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
+        self.rejected = Counter(
+            "fleetllm:engine_rejected_requests",
+            "Requests refused (503) because the waiting queue was at its bound.",
+            [LABEL],
+            registry=self.registry,
+        ).labels(model_name)
         self._last_token_time: dict[str, float] = {}  # engine thread only
 
     def observe_step(self, outputs: list[RequestOutput], stats: EngineStats) -> None:

@@ -148,6 +148,7 @@ def create_app(
     engine = AsyncEngine(factory, max_waiting_requests=max_waiting_requests)
     metrics = EngineMetrics(settings.model_names[0], lambda: engine.stats)
     engine.on_step = metrics.observe_step
+    engine.on_overload = metrics.rejected.inc
     state = ServerState(settings, engine, metrics)
 
     @contextlib.asynccontextmanager

@@ -14,12 +14,14 @@ import yaml
 from fleetllm.api.catalog import GPU_PROFILES
 from fleetllm.api.deployment import NAME_PATTERN, LLMDeployment
 from fleetllm.api.manifests import load_llmdeployments
+from fleetllm.operator.admission import new_key_secret, review
 from fleetllm.operator.crd import crd_yaml, reference_markdown
 from fleetllm.operator.render import render
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.plan import Plan, plan
 from fleetllm.planner.settings import ModelCache, OperatorConfig
 from fleetllm.planner.summary import plan_summary
+from fleetllm.policy.model import DEFAULT_POLICY, load_policy
 
 
 class _LiteralDumper(yaml.SafeDumper):
@@ -67,20 +69,47 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the cache claim is ReadOnlyMany, filled beforehand with `fleetllm model pull`",
     )
+    g.add_argument(
+        "--policy",
+        metavar="FILE",
+        help="the admin's policy (YAML; docs/security.md lists its fields); default: the "
+        "built-in safe defaults",
+    )
+    g.add_argument(
+        "--fleet-namespace",
+        default="fleetllm",
+        help="namespace of the router and operator pods, the only ones the engines' "
+        "NetworkPolicy lets in (default: %(default)s)",
+    )
+    g.add_argument(
+        "--fleet-instance",
+        default="fleetllm",
+        help="their app.kubernetes.io/instance label, the chart's release name "
+        "(default: %(default)s)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     claim = args.model_cache_claim
+    cache = None
     if claim is None:
         if args.model_cache_read_only:
             raise ValueError("--model-cache-read-only needs --model-cache-claim")
-        return OperatorConfig(gpu_profile=args.gpu_profile, cpu_bf16=args.cpu_bf16)
-    if not re.match(NAME_PATTERN, claim) or len(claim) > 253:
+    elif not re.match(NAME_PATTERN, claim) or len(claim) > 253:
         raise ValueError(f"--model-cache-claim {claim!r} is not a valid claim name")
+    else:
+        cache = ModelCache(claim, read_only=args.model_cache_read_only)
+    fleet = {"--fleet-namespace": args.fleet_namespace, "--fleet-instance": args.fleet_instance}
+    for flag, value in fleet.items():
+        if not re.match(NAME_PATTERN, value) or len(value) > 63:
+            raise ValueError(f"{flag} {value!r} is not a valid name")
     return OperatorConfig(
         gpu_profile=args.gpu_profile,
         cpu_bf16=args.cpu_bf16,
-        model_cache=ModelCache(claim, read_only=args.model_cache_read_only),
+        model_cache=cache,
+        policy=load_policy(args.policy) if args.policy else DEFAULT_POLICY,
+        fleet_namespace=args.fleet_namespace,
+        fleet_instance=args.fleet_instance,
     )
 
 
@@ -161,6 +190,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how often the autoscaler steps each LLMDeployment with spec.scaling.mode builtin "
         "(default: %(default)s)",
     )
+    p_run.add_argument(
+        "--resync-interval",
+        type=_positive_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="how often every LLMDeployment is reconciled whatever happened, so that nothing "
+        "missed (an update during an API outage) stays unapplied (default: %(default)s)",
+    )
     add_config_arguments(p_run)
     p_run.add_argument("--log-format", choices=["json", "plain"], default="json")
     p_run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -209,6 +246,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 1 if any(isinstance(result, PlanError) for _, result in results) else 0
 
 
+def _admitted(path: str, cr: LLMDeployment, result: Plan, config: OperatorConfig) -> bool:
+    """Whether the policy admits it; each refused field on stderr, and what only the cluster
+    can tell (a Secret's labels) as a warning."""
+    report = review(cr, result, config)
+    where = f"fleetllm: {path}: {cr.metadata.name}"
+    for violation in report.violations:
+        print(f"{where}: refused by policy: {violation}", file=sys.stderr)
+    label = config.policy.secret_label
+    for ref in report.secrets:
+        print(
+            f"{where}: warning: {ref.field}: Secret {ref.name} must carry the label {label} "
+            "(not checked offline; the operator checks it)",
+            file=sys.stderr,
+        )
+    return not report.violations
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     objects: list[dict[str, Any]] = []
     refused = False
@@ -221,8 +275,11 @@ def cmd_render(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             refused = True
+        elif not _admitted(args.filename, cr, result, config):
+            refused = True
         else:
-            objects.extend(render(cr, result, config))
+            # The operator makes the key Secret once; applied by hand, it comes with the rest.
+            objects.extend([*render(cr, result, config), new_key_secret(cr)])
     if objects:
         sys.stdout.write(dump_yaml_documents(objects))
     return 1 if refused else 0
@@ -257,4 +314,5 @@ def cmd_operator_run(args: argparse.Namespace) -> int:
         verbose=args.verbose,
         config=config_from_args(args),
         autoscale_interval=args.autoscale_interval,
+        resync_interval=args.resync_interval,
     )

@@ -4,7 +4,10 @@ All decisions live in the reconciler; handlers here only say *when* to reconcile
 - the LLMDeployment is created, changed, or found on start (resume);
 - one of its children changes or disappears (drift, deletion, Deployment status);
 - it is in conflict (a child's name is taken by an object it does not own): retried every
-  `conflict_recheck_seconds`, since the foreign object's removal raises no event here.
+  `conflict_recheck_seconds`, since the foreign object's removal raises no event here;
+- every `resync_interval` seconds, whatever happened (a missed event, an unwatched child
+  such as the NetworkPolicy or the key Secret changed, an outage that outlived a watch).
+Every path retries transient API failures without limit, with a capped backoff (retry.py).
 The one kopf timer steps the autoscaler (scaler.py) of each LLMDeployment the builtin
 autoscaler drives, every `autoscale_interval` seconds, on the peering leader only; after each
 reconcile of one it does not drive, the autoscaler stands down (its status fields go).
@@ -19,6 +22,7 @@ credentials (see fleetllm.kube), and children are watched with a server-side lab
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import socket
@@ -35,14 +39,16 @@ from fleetllm.kube.client import KubeClient
 from fleetllm.kube.errors import ApiError
 from fleetllm.kube.login import LoginError, load_credentials
 from fleetllm.operator.reconciler import CHILD_RESOURCES, Reconciler
+from fleetllm.operator.retry import Backoff, Sleep, reconcile_until_done
 from fleetllm.operator.scaler import Scaler, driven_by_builtin
 from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
 
 logger = logging.getLogger("fleetllm.operator")
 
-HANDLER_RETRIES = 10
-CHILD_RETRIES = 5
+# None: kopf retries a failed handler for as long as it fails (each wait capped below).
+HANDLER_RETRIES = None
 MAX_BACKOFF_SECONDS = 60.0
+RESYNC_SECONDS = 300.0
 CONFLICT_RECHECK_SECONDS = 30.0
 AUTOSCALE_INTERVAL_SECONDS = 5.0
 COMPONENT = "fleetllm-operator"
@@ -58,6 +64,8 @@ class OperatorState:
     reconciler: Reconciler
     scaler: Scaler
     conflict_recheck_seconds: float = CONFLICT_RECHECK_SECONDS
+    backoff: Backoff = field(default_factory=lambda: Backoff(max_seconds=MAX_BACKOFF_SECONDS))
+    sleep: Sleep = asyncio.sleep
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the operator shuts down (an object: kopf's per-object memo copies share it)."""
@@ -90,10 +98,6 @@ class OperatorState:
         )
 
 
-def _backoff(retry: int) -> float:
-    return min(MAX_BACKOFF_SECONDS, 2.0**retry)
-
-
 async def _reconcile_or_retry(
     memo: OperatorState, body: Mapping[str, Any], namespace: str, name: str, retry: int
 ) -> None:
@@ -102,12 +106,13 @@ async def _reconcile_or_retry(
         await memo.scaler.stand_down(body)
     except ApiError as exc:
         if exc.retryable:
-            raise kopf.TemporaryError(str(exc), delay=_backoff(retry)) from exc
+            raise kopf.TemporaryError(str(exc), delay=memo.backoff.delay(retry)) from exc
         raise kopf.PermanentError(str(exc)) from exc
     except (TimeoutError, aiohttp.ClientError) as exc:
-        raise kopf.TemporaryError(f"API unreachable: {exc}", delay=_backoff(retry)) from exc
+        delay = memo.backoff.delay(retry)
+        raise kopf.TemporaryError(f"API unreachable: {exc}", delay=delay) from exc
     except LoginError as exc:
-        raise kopf.TemporaryError(str(exc), delay=_backoff(retry)) from exc
+        raise kopf.TemporaryError(str(exc), delay=memo.backoff.delay(retry)) from exc
 
 
 def _owner_name(body: dict[str, Any]) -> str | None:
@@ -123,7 +128,10 @@ def _builtin_scaling(body: Mapping[str, Any], **_: Any) -> bool:
     return driven_by_builtin(body) is not None
 
 
-def build_registry(autoscale_interval: float = AUTOSCALE_INTERVAL_SECONDS) -> kopf.OperatorRegistry:
+def build_registry(
+    autoscale_interval: float = AUTOSCALE_INTERVAL_SECONDS,
+    resync_interval: float = RESYNC_SECONDS,
+) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -180,6 +188,22 @@ def build_registry(autoscale_interval: float = AUTOSCALE_INTERVAL_SECONDS) -> ko
                 },
             )
 
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        registry=registry,
+        id="resync",
+        interval=resync_interval,
+        initial_delay=resync_interval,
+    )
+    async def resync(name: str, namespace: str, memo: OperatorState, **_: Any) -> None:
+        # A timer runs on the peering leader only, like every handler: one writer.
+        if not memo.stopping.is_set():
+            await reconcile_until_done(memo.reconciler, namespace, name, memo.backoff, memo.sleep)
+
+    _without_finalizer(registry, "resync")
+
     for kind, resource in CHILD_RESOURCES.items():
         group, _, version = resource.api_version.rpartition("/")
 
@@ -202,29 +226,21 @@ def build_registry(autoscale_interval: float = AUTOSCALE_INTERVAL_SECONDS) -> ko
             owner = _owner_name(body)
             if type is None or owner is None:
                 return
-            # Watch handlers get no retries from kopf; retry here, bounded.
-            for retry in range(CHILD_RETRIES):
-                try:
-                    await memo.reconciler.reconcile(namespace, owner)
-                    return
-                except (TimeoutError, ApiError, LoginError, aiohttp.ClientError) as exc:
-                    final = retry == CHILD_RETRIES - 1 or (
-                        isinstance(exc, ApiError) and not exc.retryable
-                    )
-                    logger.warning(
-                        "reconcile after a child change failed",
-                        extra={
-                            "llmdeployment": f"{namespace}/{owner}",
-                            "error": str(exc),
-                            "retry": retry,
-                            "giving_up": final,
-                        },
-                    )
-                    if final:
-                        return
-                    await asyncio.sleep(_backoff(retry))
+            # Watch handlers get no retries from kopf: retry here, for as long as it takes.
+            await reconcile_until_done(memo.reconciler, namespace, owner, memo.backoff, memo.sleep)
 
     return registry
+
+
+def _without_finalizer(registry: kopf.OperatorRegistry, handler_id: str) -> None:
+    """kopf gives every object a timer covers a finalizer, so that the timer stops before the
+    object goes. The resync needs none (a tick on a vanished object finds nothing to do), and a
+    finalizer on every LLMDeployment would block its deletion whenever the operator is down;
+    kopf.timer offers no switch, so the registered handler is replaced by one without."""
+    spawning = registry._spawning
+    for i, handler in enumerate(spawning._handlers):
+        if handler.id == handler_id:
+            spawning._handlers[i] = dataclasses.replace(handler, requires_finalizer=False)
 
 
 async def _recheck_conflicts(memo: OperatorState) -> None:
@@ -300,6 +316,7 @@ def run(
     verbose: bool,
     config: OperatorConfig = DEFAULT_CONFIG,
     autoscale_interval: float = AUTOSCALE_INTERVAL_SECONDS,
+    resync_interval: float = RESYNC_SECONDS,
 ) -> int:
     kopf.configure(
         verbose=verbose, log_format=kopf.LogFormat.JSON if log_json else kopf.LogFormat.FULL
@@ -313,7 +330,7 @@ def run(
     )
     client = KubeClient(load_credentials, user_agent=COMPONENT)
     kopf.run(
-        registry=build_registry(autoscale_interval),
+        registry=build_registry(autoscale_interval, resync_interval),
         settings=settings,
         memo=OperatorState.create(client, config),
         clusterwide=clusterwide,

@@ -30,17 +30,21 @@ from fleetllm.kube.resources import (
     CONFIGMAPS,
     DEPLOYMENTS,
     HORIZONTALPODAUTOSCALERS,
+    NETWORKPOLICIES,
     PERSISTENTVOLUMECLAIMS,
     PODDISRUPTIONBUDGETS,
+    SECRETS,
     SERVICES,
     Resource,
 )
+from fleetllm.operator.admission import new_key_secret, review
 from fleetllm.operator.render import render
 from fleetllm.operator.status import Refusal, Transition, build_status
 from fleetllm.planner.checks import claims_to_check
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.plan import Plan, plan
 from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
+from fleetllm.policy.check import secret_refusal
 
 logger = logging.getLogger("fleetllm.operator")
 
@@ -61,7 +65,14 @@ AUTOSCALER_RESOURCES: dict[str, Resource] = {
 AUTOSCALER_KINDS = {"hpa": "HorizontalPodAutoscaler", "keda": "ScaledObject"}
 # The API server's answers to an object it will never accept as written (BadRequest, Invalid).
 INVALID_STATUSES = (400, 422)
-RESOURCES: dict[str, Resource] = {**CHILD_RESOURCES, **AUTOSCALER_RESOURCES}
+# Children not watched (a change to them raises no event): the periodic resync repairs them.
+# The key Secret is made once and never rewritten.
+UNWATCHED_RESOURCES: dict[str, Resource] = {"NetworkPolicy": NETWORKPOLICIES, "Secret": SECRETS}
+RESOURCES: dict[str, Resource] = {
+    **CHILD_RESOURCES,
+    **UNWATCHED_RESOURCES,
+    **AUTOSCALER_RESOURCES,
+}
 # Read only: whether the replicas can share a model's claim.
 READ_RESOURCES: dict[str, Resource] = {"PersistentVolumeClaim": PERSISTENTVOLUMECLAIMS}
 
@@ -183,6 +194,7 @@ class Reconciler:
             cr = parse_llmdeployment(body, f"{KIND} {namespace}/{name}")
             claims = await self._claim_access_modes(namespace, cr)
             outcome = plan(cr.spec, self.config, claims)
+            outcome = await self._admit(namespace, cr, outcome)
         except PlanError as exc:
             outcome = Refusal(exc.reason, exc.message)
         except ValueError as exc:
@@ -203,7 +215,9 @@ class Reconciler:
                 result.conflicts.append(f"{kind} {child}")
                 live[kind] = None  # not ours: never read as our state, never written
         if isinstance(outcome, Plan) and cr is not None and not result.conflicts:
-            for desired in render(cr, outcome, self.config):
+            # The key first: the engine pods read it at start.
+            desired_objects = [new_key_secret(cr)] if live["Secret"] is None else []
+            for desired in desired_objects + render(cr, outcome, self.config):
                 desired["metadata"].setdefault("namespace", namespace)
                 kind, child = desired["kind"], desired["metadata"]["name"]
                 if needs_apply(desired, live[kind]):
@@ -277,6 +291,24 @@ class Reconciler:
                 result.deleted.append(f"{kind} {name}")
                 ref = {**body, "apiVersion": body.get("apiVersion", API_VERSION), "kind": KIND}
                 await self._emit(ref, "Normal", "Deleted", f"{kind} {name}")
+
+    async def _admit(self, namespace: str, cr: LLMDeployment, planned: Plan) -> Plan | Refusal:
+        """The plan, or a refusal naming each field the admin's policy refuses."""
+        report = review(cr, planned, self.config)
+        for ref in report.secrets:
+            try:
+                secret = await self.client.get(SECRETS, ref.name, namespace)
+            except ApiError as exc:
+                if exc.status != 403:
+                    raise
+                secret = None  # unreadable counts as unlabelled: never a way around the rule
+            labels = None if secret is None else (secret.get("metadata") or {}).get("labels") or {}
+            violation = secret_refusal(ref, labels, self.config.policy)
+            if violation is not None:
+                report.violations.append(violation)
+        if report.violations:
+            return Refusal("PolicyViolation", report.message)
+        return planned
 
     async def _claim_access_modes(self, namespace: str, cr: LLMDeployment) -> dict[str, list[str]]:
         """The access modes of the model's claims that exist (the planner refuses those the

@@ -29,10 +29,12 @@ from fleetllm.api.scaling import ScalingSpec
 from fleetllm.images import CONTROL_PLANE_IMAGE
 from fleetllm.operator import drain_hook
 from fleetllm.operator.pod_env import CACHE_DIR, RUN_AS, base_env, engine_env, with_user_env
+from fleetllm.operator.render_access import key_env, networkpolicy_name, render_networkpolicy
 from fleetllm.planner.placement import MODEL_CACHE_MOUNT, MODEL_MOUNT
 from fleetllm.planner.plan import Plan
 from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
 from fleetllm.planner.timing import download_seconds, startup_seconds
+from fleetllm.policy.check import pull_env
 from fleetllm.scrape import KV_USAGE, QUEUE_TIME
 
 CONFIG_DIR = "/etc/fleetllm"
@@ -120,6 +122,8 @@ def render_pdb(cr: LLMDeployment) -> dict[str, Any]:
         "spec": {
             "maxUnavailable": 1,
             "selector": {"matchLabels": selector_labels(cr.metadata.name)},
+            # A replica that never turns ready must not block node drains.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 
@@ -167,6 +171,12 @@ def _resources(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[st
         requests |= {key: str(value) for key, value in overrides.requests.items()}
         limits |= {key: str(value) for key, value in overrides.limits.items()}
     return {"requests": requests, "limits": limits}
+
+
+def _env(cr: LLMDeployment) -> list[dict[str, Any]]:
+    """The engine's environment, its key last (never one the spec names)."""
+    key = key_env(cr)
+    return [var for var in engine_env(cr) if var["name"] != key["name"]] + [key]
 
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
@@ -236,8 +246,9 @@ def _pull_container(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> di
         "image": CONTROL_PLANE_IMAGE,
         "command": ["fleetllm", "model", "pull"],
         "args": [cr.spec.model.source, plan.model_path, *(["--read-only"] if read_only else [])],
-        # Credentials (HF_TOKEN, AWS_*) come from the same variables the engine gets.
-        "env": with_user_env(base_env(), cr),
+        # Credentials (HF_TOKEN, AWS_*) come from the same variables the engine gets, and only
+        # those the policy names: never an endpoint override that would fill a shared cache.
+        "env": base_env() + pull_env(with_user_env([], cr), config.policy),
         "resources": {
             "requests": {"cpu": "1", "memory": "512Mi"},
             "limits": {"memory": "1Gi"},
@@ -282,7 +293,7 @@ def _pod_spec(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[str
         "command": list(plan.command),
         "args": list(plan.args),
         "ports": [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": engine_env(cr),
+        "env": _env(cr),
         "resources": _resources(cr, plan, config),
         "volumeMounts": mounts,
         "startupProbe": _probe("/health", 10, math.ceil(startup / 10)),
@@ -516,6 +527,7 @@ def render(
         render_service(cr),
         render_deployment(cr, plan, config),
         render_pdb(cr),
+        render_networkpolicy(cr, config, _metadata(cr, networkpolicy_name(cr))),
     ]
     autoscaler = render_autoscaler(cr)
     if autoscaler is not None:

@@ -59,6 +59,9 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
     """None: no authentication; else only these bearer tokens are let in."""
     fail_watches: int = 0
     """Answer this many next watch requests with 500."""
+    outage_agents: tuple[str, ...] = ()
+    """Answer every request whose User-Agent starts with one of these with 503 (an API
+    outage as one client sees it; the test's own requests still go through)."""
     expire_next_continue: bool = False
     """Answer the next continue token with 410 Gone."""
     authorizations: list[tuple[str, str]] = attrs.field(factory=list, init=False)
@@ -86,6 +89,12 @@ class EmulatedApiServer(kmock.KubernetesEmulator):
         }:
             return aiohttp.web.json_response(
                 status_object(401, "Unauthorized", "Unauthorized"), status=401
+            )
+        if self.outage_agents and request.headers.get("User-Agent", "").startswith(
+            self.outage_agents
+        ):
+            return aiohttp.web.json_response(
+                status_object(503, "ServiceUnavailable", "injected outage"), status=503
             )
         if self.fail_watches > 0 and request.action == kmock.action.WATCH:
             self.fail_watches -= 1

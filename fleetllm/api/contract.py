@@ -45,7 +45,19 @@ def child_names(name: str) -> dict[str, str]:
         "Service": name,
         "Deployment": f"{name}-engine",
         "PodDisruptionBudget": f"{name}-engine",
+        "NetworkPolicy": f"{name}-engine",
+        "Secret": engine_key_secret(name),
     }
+
+
+ENGINE_KEY_FIELD = "api-key"
+"""The data key, in the engine-key Secret, of the key every replica of one LLMDeployment
+requires (Authorization: Bearer); the router sends it to that model's replicas only."""
+
+
+def engine_key_secret(name: str) -> str:
+    """The Secret, owned by the LLMDeployment, that holds its engines' API key."""
+    return f"{name}-engine-key"
 
 
 def endpoint(name: str, namespace: str) -> str:

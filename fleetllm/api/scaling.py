@@ -14,6 +14,16 @@ MAX_HPA_DELAY_SECONDS = 3600
 """The longest scale-down stabilization window an HPA (and so KEDA) takes."""
 
 
+_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+# A Service's in-cluster name: SERVICE or SERVICE.NAMESPACE, or anything under .svc; the first
+# label starts with a letter, so no IP address matches.
+PROMETHEUS_ADDRESS_PATTERN = (
+    rf"^https?://[a-z]([-a-z0-9]{{0,61}}[a-z0-9])?"
+    rf"((\.{_LABEL})?|(\.{_LABEL})*\.svc(\.cluster\.local)?)"
+    r"(:[0-9]{1,5})?(/\S*)?$"
+)
+
+
 def _mode_is_not(mode: str) -> str:
     return f"!has(self.mode) || self.mode != '{mode}'"
 
@@ -104,9 +114,11 @@ class ScalingSpec(SpecModel):
     )
     prometheus_address: str | None = Field(
         None,
-        pattern=r"^https?://[^\s/]+(/\S*)?$",
+        pattern=PROMETHEUS_ADDRESS_PATTERN,
         max_length=2048,
-        description="mode keda: the Prometheus server KEDA queries (http://host:port).",
+        description="mode keda: the in-cluster Prometheus server KEDA queries "
+        "(http[s]://SERVICE[.NAMESPACE[.svc[.cluster.local]]][:PORT][/PATH]); never an IP "
+        "address or an outside host, which KEDA would query with its own identity.",
     )
 
     @model_validator(mode="after")

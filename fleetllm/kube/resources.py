@@ -40,6 +40,7 @@ PERSISTENTVOLUMECLAIMS = Resource("v1", "persistentvolumeclaims", "PersistentVol
 EVENTS = Resource("v1", "events", "Event")
 DEPLOYMENTS = Resource("apps/v1", "deployments", "Deployment")
 PODDISRUPTIONBUDGETS = Resource("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget")
+NETWORKPOLICIES = Resource("networking.k8s.io/v1", "networkpolicies", "NetworkPolicy")
 ENDPOINTSLICES = Resource("discovery.k8s.io/v1", "endpointslices", "EndpointSlice")
 HORIZONTALPODAUTOSCALERS = Resource(
     "autoscaling/v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler"

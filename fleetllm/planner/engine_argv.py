@@ -66,6 +66,10 @@ def engine_command(
             str(max_num_seqs),
             "--max-num-batched-tokens",
             str(batched),
+            # A bounded queue: past it the engine answers 503 (counted) and the router tries
+            # another replica, instead of requests piling up in one engine's memory.
+            "--max-waiting-requests",
+            str(waiting_bound(max_num_seqs)),
         ]
         if spec.parallelism.tensor > 1:
             builtin += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
@@ -110,6 +114,12 @@ def _vllm_memory_args(gpu: GPUType, est: MemoryEstimate) -> tuple[str, str]:
     if gpu.is_gpu:
         return ("--gpu-memory-utilization", f"{float(est.tuning.memory_utilization):.2f}")
     return (KV_FLAG, str(kv_cache_bytes(est)))
+
+
+def waiting_bound(max_num_seqs: int) -> int:
+    """Requests one builtin engine keeps waiting for a slot: a few batches' worth (vLLM has
+    no such bound; its queue is limited by the router's caps alone)."""
+    return max(16, 4 * max_num_seqs)
 
 
 def _speculative_args(spec: LLMDeploymentSpec) -> list[str]:

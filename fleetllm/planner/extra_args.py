@@ -38,6 +38,9 @@ OWNED_FLAGS = {
     "--gpu-memory-utilization": "(planned)",
     "--max-num-seqs": "engine.maxNumSeqs",
     "--max-num-batched-tokens": "(planned)",
+    "--max-waiting-requests": "(planned)",
+    # The engine's key comes from the LLMDeployment's own Secret (the router sends it).
+    "--api-key": "(the operator's engine-key Secret)",
     "--tensor-parallel-size": "parallelism.tensor",
     "-tp": "parallelism.tensor",
     "--pipeline-parallel-size": "parallelism.pipeline",

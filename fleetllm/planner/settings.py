@@ -5,9 +5,10 @@ CPU. Pure data."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fleetllm.api.catalog import GPU_PROFILES
+from fleetllm.policy.model import DEFAULT_POLICY, Policy
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,14 @@ class OperatorConfig:
     cpu_bf16: bool = False
     """The nodes of cpu replicas compute bfloat16 natively (AVX512-BF16 or AMX): dtype auto
     plans them in bfloat16, as the engine's auto picks there; otherwise in float32."""
+    # Out of the hash (its lists are not hashable); equality still compares it.
+    policy: Policy = field(default=DEFAULT_POLICY, hash=False)
+    """The admin's policy (fleetllm.policy): what an LLMDeployment may ask for."""
+    fleet_namespace: str = "fleetllm"
+    """The namespace of the router and operator pods, the only ones the engines' NetworkPolicy
+    lets in."""
+    fleet_instance: str = "fleetllm"
+    """Their app.kubernetes.io/instance label (the chart's release name)."""
 
     def __post_init__(self) -> None:
         if self.gpu_profile not in GPU_PROFILES:

@@ -217,6 +217,20 @@ def _checked(option: VllmOption, value: str) -> None:
         )
 
 
+def option_spellings(arg: str) -> tuple[str, ...]:
+    """Every spelling of the option `arg` names as vLLM's parser reads it (an abbreviation,
+    underscores, `=value`): the flag as written and, when it resolves to one option, all of
+    that option's flags. A policy that denies a flag must see through each of them."""
+    flag = arg.split("=", 1)[0]
+    written = _dashes(flag) if flag.startswith("--") else flag
+    try:
+        found = _classify(written, vllm_flags().by_flag)
+    except ArgsRefused:  # ambiguous: the plan refuses it with vLLM's message
+        found = None
+    option = found[0] if found is not None else None
+    return tuple(dict.fromkeys((flag, written, *(option.flags if option else ()))))
+
+
 def read_vllm_args(args: Sequence[str], flags: VllmFlags | None = None) -> list[GivenOption]:
     """The options of `vllm serve ARGS` (the model first) in order, as vLLM's parser reads
     them; raises ArgsRefused with its message where it would refuse them."""

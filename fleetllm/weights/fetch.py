@@ -9,8 +9,10 @@ import contextlib
 import fnmatch
 import hashlib
 import http.client
+import ipaddress
 import logging
 import os
+import socket
 import time
 import urllib.error
 import urllib.parse
@@ -97,7 +99,39 @@ def _redact(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
 
 
-_OPENER = urllib.request.build_opener()
+def _link_local(host: str) -> bool:
+    """Whether `host` is, or resolves to, a link-local address (cloud metadata lives there)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_link_local
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False  # unresolvable: the request itself fails
+    return any(ipaddress.ip_address(info[4][0].split("%")[0]).is_link_local for info in infos)
+
+
+def check_redirect(origin: str, target: str) -> None:
+    """A redirect may not downgrade (from an https source, https only) nor lead to a
+    link-local address: the files land in a cache other models may share."""
+    old, new = urllib.parse.urlsplit(origin), urllib.parse.urlsplit(target)
+    refused = f"GET {_redact(origin)}: refused a redirect to {_redact(target)}"
+    if new.scheme not in ("https", "http") or (old.scheme == "https" and new.scheme != "https"):
+        raise PullError(f"{refused} (not https)")
+    if _link_local(new.hostname or ""):
+        raise PullError(f"{refused} (a link-local address)")
+
+
+class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(
+        self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any, newurl: str
+    ) -> urllib.request.Request | None:
+        check_redirect(req.full_url, newurl)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_CheckedRedirects)
 
 
 @contextlib.contextmanager

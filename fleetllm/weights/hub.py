@@ -25,11 +25,17 @@ def _headers() -> Headers:
     return (lambda _url: {"Authorization": f"Bearer {token}"}) if token else (lambda _url: {})
 
 
+def endpoint() -> str:
+    """The hub this pull asks (recorded in the folder's marker: another hub's files under the
+    same repository name are other files)."""
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
 def list_hf(source: ModelSource, settings: Settings) -> Listing:
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    hub = endpoint()
     headers = _headers()
     repo, rev = source.location, source.revision or "main"
-    url = f"{endpoint}/api/models/{repo}/revision/{urllib.parse.quote(rev, safe='')}?blobs=true"
+    url = f"{hub}/api/models/{repo}/revision/{urllib.parse.quote(rev, safe='')}?blobs=true"
     info = json.loads(get(url, headers, settings))
     commit = str(info.get("sha") or rev)
     files = []
@@ -43,7 +49,8 @@ def list_hf(source: ModelSource, settings: Settings) -> Listing:
         elif sibling.get("blobId"):
             size, checksum = sibling.get("size"), ("git-sha1", str(sibling["blobId"]))
         else:
-            size, checksum = sibling.get("size"), None
-        file_url = f"{endpoint}/{repo}/resolve/{commit}/{urllib.parse.quote(name)}"
+            # The hub lists a hash of every file: one without is not the hub's answer.
+            raise PullError(f"{url}: the listing gives no hash of {name}")
+        file_url = f"{hub}/{repo}/resolve/{commit}/{urllib.parse.quote(name)}"
         files.append(RemoteFile(name, file_url, int(size) if size is not None else None, checksum))
     return Listing(commit, tuple(files), headers)

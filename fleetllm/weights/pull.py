@@ -7,7 +7,10 @@ What is fetched: the top-level files an engine loads (config and tokenizer files
 `*.safetensors`), each verified as it arrives (`fetch`). `DIR/.fleetllm-pull.json` records a
 complete pull: pulling the same source again is a no-op (one metadata request, or none for a
 pinned commit or a read-only folder), which is what lets many replicas share one cache volume,
-one pull at a time under a file lock.
+one pull at a time under a file lock. The marker names the source, its commit AND the endpoint
+(hub or bucket URL) the files came from: a pull of the same name from another endpoint (a
+tenant's HF_ENDPOINT, say) never counts the folder as its own, and fetches and checks every file
+again instead. A sharded checkpoint's index may name only files of the folder.
 """
 
 from __future__ import annotations
@@ -23,9 +26,17 @@ from pathlib import Path
 from typing import Any
 
 from fleetllm.api.source import ModelSource
-from fleetllm.weights.fetch import Listing, PullError, RemoteFile, Settings, download, log
-from fleetllm.weights.hub import check_repository, list_hf
-from fleetllm.weights.s3 import check_bucket, list_s3
+from fleetllm.weights.fetch import (
+    Listing,
+    PullError,
+    RemoteFile,
+    Settings,
+    download,
+    log,
+    wanted,
+)
+from fleetllm.weights.hub import check_repository, endpoint, list_hf
+from fleetllm.weights.s3 import bucket_url, check_bucket, list_s3
 
 MARKER = ".fleetllm-pull.json"
 LOCK = ".fleetllm-pull.lock"
@@ -68,8 +79,30 @@ def _read_marker(folder: Path) -> dict[str, Any] | None:
     return marker
 
 
-def _complete(marker: dict[str, Any] | None, canonical: str) -> bool:
-    return marker is not None and marker.get("source") == canonical
+def _endpoint(source: ModelSource) -> str:
+    return endpoint() if source.scheme == "hf" else bucket_url(source)
+
+
+def _complete(marker: dict[str, Any] | None, canonical: str, where: str) -> bool:
+    """Whether the marker records a complete pull of this source from this endpoint (a marker
+    of an older release, without an endpoint, counts as another endpoint's)."""
+    return (
+        marker is not None and marker.get("source") == canonical and marker.get("endpoint") == where
+    )
+
+
+def check_index(folder: Path, names: set[str]) -> None:
+    """A sharded checkpoint's index may name only top-level files of this pull: a name with a
+    folder in it (`../`) would make the loader read outside the model."""
+    for index in sorted(n for n in names if n.endswith(".index.json")):
+        try:
+            weight_map = json.loads((folder / index).read_text()).get("weight_map") or {}
+            shards = {str(v) for v in weight_map.values()}
+        except (OSError, ValueError, AttributeError) as exc:
+            raise PullError(f"{index}: not a checkpoint index: {exc}") from None
+        bad = sorted(s for s in shards if not wanted(s) or s not in names)
+        if bad:
+            raise PullError(f"{index} names files that are not among this pull's: {bad[:5]}")
 
 
 def _entry(file: RemoteFile, size: int) -> dict[str, Any]:
@@ -88,7 +121,7 @@ def pull(source: str, folder: Path, settings: Settings | None = None) -> Path:
     revision = parsed.revision
     marker = _read_marker(folder)
     pinned = parsed.scheme == "s3" or (revision is not None and is_commit(revision))
-    if _complete(marker, canonical) and (
+    if _complete(marker, canonical, _endpoint(parsed)) and (
         (pinned and (parsed.scheme == "s3" or marker.get("commit") == revision))  # type: ignore[union-attr]
         or settings.read_only
     ):
@@ -125,11 +158,12 @@ def _pull_locked(
     source: str, parsed: ModelSource, canonical: str, folder: Path, settings: Settings
 ) -> Path:
     marker = _read_marker(folder)  # another pod may have finished while we waited
+    where = _endpoint(parsed)
     started = time.monotonic()
     try:
         listing = _list(parsed, settings)
     except PullError as exc:
-        if _complete(marker, canonical):
+        if _complete(marker, canonical, where):
             log.warning(
                 "cannot reach the source; using the folder's complete earlier pull",
                 extra={"source": source, "error": str(exc)},
@@ -143,7 +177,8 @@ def _pull_locked(
             "safetensors checkpoints"
         )
     old = (marker or {}).get("files") or {}
-    same_source = _complete(marker, canonical)
+    # Files of another endpoint's pull are never trusted, whatever their names and sizes.
+    same_source = _complete(marker, canonical, where)
     total = sum(f.size or 0 for f in listing.files)
     log.info(
         "pulling",
@@ -169,6 +204,7 @@ def _pull_locked(
             continue
         download(file, target, listing.headers, settings)
         done[file.name] = _entry(file, target.stat().st_size)
+    check_index(folder, set(done))
     # Files of an earlier revision that this one lacks (stale shards would confuse a loader).
     for name in set(old) - set(done):
         with contextlib.suppress(FileNotFoundError):
@@ -178,6 +214,7 @@ def _pull_locked(
         json.dumps(
             {
                 "source": canonical,
+                "endpoint": where,
                 "revision": parsed.revision or ("main" if parsed.scheme == "hf" else ""),
                 "commit": listing.revision,
                 "files": done,

@@ -122,16 +122,24 @@ def aws_credentials(region: str, settings: Settings) -> AwsCredentials | None:
     return None
 
 
-def list_s3(source: ModelSource, settings: Settings) -> Listing:
-    bucket, prefix = source.bucket, source.key_prefix
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+def _region() -> str:
+    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+
+
+def bucket_url(source: ModelSource) -> str:
+    """Where the bucket's objects are read (recorded in the folder's marker: another store's
+    bucket of the same name holds other files)."""
+    bucket, region = source.bucket, _region()
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
-        base = f"{endpoint.rstrip('/')}/{bucket}"  # path style, as compatible stores expect
-    elif "." in bucket:
-        base = f"https://s3.{region}.amazonaws.com/{bucket}"
-    else:
-        base = f"https://{bucket}.s3.{region}.amazonaws.com"
+        return f"{endpoint.rstrip('/')}/{bucket}"  # path style, as compatible stores expect
+    if "." in bucket:
+        return f"https://s3.{region}.amazonaws.com/{bucket}"
+    return f"https://{bucket}.s3.{region}.amazonaws.com"
+
+
+def list_s3(source: ModelSource, settings: Settings) -> Listing:
+    prefix, region, base = source.key_prefix, _region(), bucket_url(source)
     credentials = aws_credentials(region, settings)
 
     def headers(url: str) -> dict[str, str]:

@@ -21,6 +21,7 @@ PACKAGE_OF = {
     "fleetllm/weights": "fleetllm.weights",
     "fleetllm/local": "fleetllm.local",
     "fleetllm/kube": "fleetllm.kube",
+    "fleetllm/policy": "fleetllm.policy",
 }
 
 # folder -> packages none of its modules may import (a backward arrow in the map)
@@ -45,12 +46,24 @@ FORBIDDEN = {
         "fleetllm.kube",
     ],
     "fleetllm/weights": ["fleetllm.operator", "fleetllm.router", "fleetllm.local"],
+    # The admin's rules are pure: the operator and `fleetllm render` both apply them.
+    "fleetllm/policy": [
+        "fleetllm.operator",
+        "fleetllm.planner",
+        "fleetllm.engine",
+        "fleetllm.router",
+        "fleetllm.local",
+        "fleetllm.kube",
+    ],
     "engine": ["fleetllm.operator", "fleetllm.router", "fleetllm.local", "fleetllm.kube"],
 }
 
 
 # Leaves a lower room may still import: pure modules that import nothing of the project.
 LEAVES = ["fleetllm.kube.resources"]
+# Named exceptions per folder: the admin policy sees through vLLM's spellings of a flag with
+# the planner's reading of vLLM's parser (pure, table-driven).
+ALLOWED = {"fleetllm/policy": ["fleetllm.planner.vllm_args"]}
 
 
 def imported_modules(path: Path, package: str) -> set[str]:
@@ -86,7 +99,8 @@ def test_no_backward_imports(folder: str) -> None:
         for path in sources
         for module in sorted(imported_modules(path, PACKAGE_OF[folder]))
         for banned in FORBIDDEN[folder]
-        if reaches(module, banned) and not any(reaches(module, leaf) for leaf in LEAVES)
+        if reaches(module, banned)
+        and not any(reaches(module, ok) for ok in LEAVES + ALLOWED.get(folder, []))
     ]
     assert not wrong, "\n".join(wrong)
 

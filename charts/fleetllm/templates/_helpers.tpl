@@ -83,3 +83,11 @@ affinity:
 {{- define "fleetllm.engineNamespaces" -}}
 {{- toJson (.Values.networkPolicy.namespaces | default .Values.watchNamespaces) -}}
 {{- end -}}
+
+{{/* A list of globs as a CEL list of anchored regular expressions (raw strings). With
+"fold": true, case-insensitive; "tail": a regular expression allowed after the name. */}}
+{{- define "fleetllm.celGlobs" -}}
+{{- $fold := .fold -}}
+{{- $tail := .tail | default "" -}}
+[{{- range $i, $glob := .globs }}{{ if $i }}, {{ end }}r'{{ if $fold }}(?i){{ end }}^{{ $glob | regexQuoteMeta | replace "\\*" ".*" | replace "\\?" "." }}{{ $tail }}$'{{- end }}]
+{{- end -}}

@@ -26,8 +26,9 @@ from local_services import serve_http
 
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.engine import LLMEngine
+from fleetllm.engine.loader import checkpoint_files
 from fleetllm.engine.sampling_params import SamplingParams
-from fleetllm.weights.fetch import PullError, Settings
+from fleetllm.weights.fetch import PullError, Settings, check_redirect
 from fleetllm.weights.pull import MARKER, pull
 from fleetllm.weights.s3 import AwsCredentials, sigv4_headers
 
@@ -427,3 +428,78 @@ def test_s3_pull_lists_pages_signs_requests_and_verifies_md5(
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
         with pytest.raises(PullError, match="HTTP 403"):
             pull("s3://models/llama/tiny", tmp_path / "other", FAST)
+
+
+def test_a_folder_another_endpoint_filled_is_fetched_again_and_checked(
+    hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A tenant's pull from its own hub (HF_ENDPOINT) fills the shared folder with other bytes
+    # under the same repository, commit and sizes...
+    planted = {
+        name: (data[:-1] + bytes([data[-1] ^ 0xFF]) if name.endswith(".safetensors") else data)
+        for name, data in hub.files.items()
+    }
+    folder = tmp_path / "shared"
+    with serve_http(_handler(Hub(files=planted))) as evil:
+        monkeypatch.setenv("HF_ENDPOINT", evil)
+        pull(f"hf://{REPO}@{COMMIT}", folder, FAST)
+    assert json.loads((folder / MARKER).read_text())["endpoint"] == evil
+    # ...the next pull of that pinned commit, from the real hub, does not call it done: every
+    # file is fetched again and checked against the real hub's hashes.
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    caplog.set_level(logging.INFO, logger="fleetllm.pull")
+    pull(f"hf://{REPO}@{COMMIT}", folder, FAST)
+    assert "already pulled" not in [m for m, _ in _messages(caplog)]
+    for name, data in hub.files.items():
+        assert (folder / name).read_bytes() == data, name
+    assert json.loads((folder / MARKER).read_text())["endpoint"] == hub.url
+
+
+def test_redirects_never_downgrade_nor_reach_link_local_addresses(hub: Hub, tmp_path: Path) -> None:
+    check_redirect("https://hub.example/a", "https://cdn.example/a")
+    check_redirect("http://127.0.0.1:1/a", "http://localhost:1/a")  # a plain-http mirror
+    with pytest.raises(PullError, match="not https"):
+        check_redirect("https://hub.example/a", "http://cdn.example/a")
+    with pytest.raises(PullError, match="not https"):
+        check_redirect("https://hub.example/a", "file:///etc/passwd")
+    for target in ("https://169.254.169.254/latest", "https://[fe80::1]/x"):
+        with pytest.raises(PullError, match="link-local"):
+            check_redirect("https://hub.example/a", target)
+    # The hub's redirect of a large file to cloud metadata: refused, nothing written.
+    hub.cdn_url = "http://169.254.169.254:9"
+    with pytest.raises(PullError, match="link-local"):
+        pull(f"hf://{REPO}", tmp_path / "m", FAST)
+    assert not list((tmp_path / "m").glob("*.safetensors"))
+
+
+def test_an_index_naming_files_outside_the_folder_is_refused(hub: Hub, tmp_path: Path) -> None:
+    index = json.loads(hub.files["model.safetensors.index.json"])
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "../../victim/model.safetensors"
+    hub.files["model.safetensors.index.json"] = json.dumps(index).encode()
+    folder = tmp_path / "m"
+    with pytest.raises(PullError, match="names files that are not among this pull's"):
+        pull(f"hf://{REPO}", folder, FAST)
+    assert not (folder / MARKER).exists()  # never marked complete
+    # The engine's loader refuses such an index too (a pvc:// folder is never pulled).
+    with pytest.raises(ValueError, match="outside the model folder"):
+        checkpoint_files(folder)
+
+
+def test_an_s3_folder_from_another_endpoint_is_listed_again(
+    checkpoint: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objects = {f"llama/tiny/{name}": data for name, data in checkpoint.items()}
+    seen: list[str] = []
+    with serve_http(_s3_handler(objects, seen)) as url:
+        monkeypatch.setenv("AWS_REGION", "eu-west-1")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", S3_KEYS.access_key)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_KEYS.secret_key)
+        monkeypatch.setenv("AWS_SESSION_TOKEN", S3_KEYS.token or "")
+        folder = tmp_path / "s3model"
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        pull("s3://models/llama/tiny", folder, FAST)
+        before = len(seen)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url.replace("127.0.0.1", "localhost"))
+        pull("s3://models/llama/tiny", folder, FAST)
+        assert any("list-type=2" in p for p in seen[before:])  # not skipped

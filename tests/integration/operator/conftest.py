@@ -63,6 +63,7 @@ class RunningOperator:
         user_agent: str = "fleetllm-operator",
         priority: int | None = None,
         autoscale_interval: float = 5.0,
+        resync_interval: float = 300.0,
         settings: kopf.OperatorSettings | None = None,
         namespaces: list[str] | None = [NAMESPACE],  # noqa: B006 - never mutated
     ) -> None:
@@ -71,6 +72,7 @@ class RunningOperator:
         self.priority = priority
         """None: standalone; else a peering member ("fleetllm") with this priority."""
         self.autoscale_interval = autoscale_interval
+        self.resync_interval = resync_interval
         self.settings = settings
         self.namespaces = namespaces
         self._stop = threading.Event()
@@ -88,7 +90,7 @@ class RunningOperator:
         try:
             asyncio.run(
                 kopf.operator(
-                    registry=build_registry(self.autoscale_interval),
+                    registry=build_registry(self.autoscale_interval, self.resync_interval),
                     settings=settings,
                     memo=self.state,
                     clusterwide=self.namespaces is None,
@@ -135,7 +137,8 @@ async def start_operator(
     async def start(
         kubeconfig: Path = default, conflict_recheck_seconds: float = 0.5, **kwargs: Any
     ) -> RunningOperator:
-        """kwargs: user_agent, priority (a peering member), autoscale_interval, settings,
+        """kwargs: user_agent, priority (a peering member), autoscale_interval,
+        resync_interval, settings,
         namespaces (see RunningOperator)."""
         load = functools.partial(load_credentials, kubeconfig=kubeconfig)
         operator = RunningOperator(load, conflict_recheck_seconds, **kwargs)

@@ -327,8 +327,12 @@ async def test_rbac_grants_exactly_what_the_operator_and_the_router_use(
 
     roles = by_kind(objects, "Role") + by_kind(objects, "ClusterRole")
     assert wildcards(roles) == []
-    for role in by_kind(objects, "ClusterRole"):
-        assert not any("secrets" in rule["resources"] for rule in role["rules"]), role
+    # Secrets can be read and written one by one (the engines' key Secrets), never listed or
+    # watched: nothing can enumerate them.
+    for role in by_kind(objects, "ClusterRole") + by_kind(objects, "Role"):
+        for rule in role["rules"]:
+            if "secrets" in rule["resources"]:
+                assert not {"list", "watch", "delete"} & set(rule["verbs"]), role
     if value_set == "namespaced-values.yaml":
         # Namespace-scoped: no cluster-wide grant of any kind.
         assert by_kind(objects, "ClusterRole") == [] == by_kind(objects, "ClusterRoleBinding")
@@ -349,13 +353,16 @@ async def test_rbac_grants_exactly_what_the_operator_and_the_router_use(
         for namespace in homes:
             assert any(c.namespace == namespace for c in calls), (account, namespace)
 
-    # Secrets: only the router's key Secret, by name, in its own namespace.
+    # Secrets: the router's key Secret, by name, in its own namespace; the operator's calls
+    # are to the engine-key Secrets of the LLMDeployments alone.
     secret_calls = {
         (c.verb, c.namespace, c.name)
         for c in _calls(api, lambda agent: agent.startswith(("kopf/", "fleetllm-")))
         if c.resource == "secrets"
     }
-    assert secret_calls == {("get", RELEASE_NAMESPACE, "fleetllm-router-keys")}
+    assert ("get", RELEASE_NAMESPACE, "fleetllm-router-keys") in secret_calls
+    others = secret_calls - {("get", RELEASE_NAMESPACE, "fleetllm-router-keys")}
+    assert others and all(name.endswith("-engine-key") for _, _, name in others), others
 
     # Watches and lists of children are filtered by the API server, by the operator's label;
     # pods by the engine labels of one LLMDeployment.

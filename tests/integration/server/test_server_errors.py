@@ -342,9 +342,11 @@ def test_overload_answers_503(guarded: ServerProcess) -> None:
             ),
             what="one running, one waiting",
         )
+        rejected = guarded.metric("fleetllm:engine_rejected_requests_total")
         third = httpx.post(url, json=completion(), headers=AUTH, timeout=60)
         error = assert_error_shape(third, 503)
         assert "overloaded" in error["message"]
+        assert guarded.metric("fleetllm:engine_rejected_requests_total") == rejected + 1
     wait_until(
         lambda: (
             guarded.metric("vllm:num_requests_running") == 0

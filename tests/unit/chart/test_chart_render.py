@@ -34,6 +34,7 @@ from fleetllm.images import CONTROL_PLANE_IMAGE
 from fleetllm.operator.cli import config_from_args
 from fleetllm.operator.reconciler import is_subset
 from fleetllm.planner.settings import ModelCache, OperatorConfig
+from fleetllm.policy.model import Policy
 from fleetllm.router.config import STRATEGIES
 from fleetllm.version import __version__
 
@@ -174,7 +175,7 @@ def test_bad_values_are_refused_with_a_clear_error(setting: str, message: str) -
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
-def test_the_commands_parse_and_carry_the_values(value_set: str | None) -> None:
+def test_the_commands_parse_and_carry_the_values(value_set: str | None, tmp_path: Path) -> None:
     values = _values(value_set)
     objects = render(value_set)
     operator = _parsed_command(_deployment(objects, "operator"))
@@ -187,12 +188,25 @@ def test_the_commands_parse_and_carry_the_values(value_set: str | None) -> None:
     assert {p["metadata"]["name"] for p in peerings} == {operator.peering}
     assert sorted(p["metadata"].get("namespace") for p in peerings) == (watched or [None])
     cache = values["operator"]["modelCache"]
+    # The policy file is the operator's ConfigMap, mounted where --policy reads it.
+    policy = one(objects, "ConfigMap", "fleetllm-operator-policy")
+    pod = _deployment(objects, "operator")["spec"]["template"]["spec"]
+    (mount,) = pod["containers"][0]["volumeMounts"]
+    assert operator.policy == f"{mount['mountPath']}/policy.yaml"
+    assert {"name": mount["name"], "configMap": {"name": "fleetllm-operator-policy"}} in (
+        pod["volumes"]
+    )
+    operator.policy = str(tmp_path / "policy.yaml")
+    Path(operator.policy).write_text(policy["data"]["policy.yaml"])
     assert config_from_args(operator) == OperatorConfig(
         gpu_profile=values["operator"]["gpuProfile"],
         cpu_bf16=values["operator"]["cpuBf16"],
         model_cache=ModelCache(cache["claimName"], cache["readOnly"])
         if cache["claimName"]
         else None,
+        policy=Policy.model_validate(values["policy"]),
+        fleet_namespace=NAMESPACE,
+        fleet_instance="fleetllm",
     )
 
     deployment = _deployment(objects, "router")
@@ -212,7 +226,7 @@ def test_the_commands_parse_and_carry_the_values(value_set: str | None) -> None:
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
-def test_rbac_is_scoped_as_asked_without_wildcards_or_cluster_wide_secrets(
+def test_rbac_is_scoped_as_asked_without_wildcards_or_listing_secrets(
     value_set: str | None,
 ) -> None:
     objects = render(value_set)
@@ -221,7 +235,15 @@ def test_rbac_is_scoped_as_asked_without_wildcards_or_cluster_wide_secrets(
     assert wildcards(roles) == []
     for role in roles:
         for rule in role["rules"]:
-            if "secrets" in rule["resources"]:
+            if "secrets" in rule["resources"] and role["metadata"]["name"] == "fleetllm-operator":
+                # The engines' key Secrets, made and read one by one: never listed or watched
+                # (the operator-scope admission policy keeps its writes to its own objects).
+                assert rule == {
+                    "apiGroups": [""],
+                    "resources": ["secrets"],
+                    "verbs": ["get", "create", "patch"],
+                }
+            elif "secrets" in rule["resources"]:
                 # The router's key Secret only: by name, in the release's namespace.
                 assert role["kind"] == "Role" and role["metadata"]["namespace"] == NAMESPACE
                 assert rule == {

@@ -51,7 +51,7 @@ def test_builtin_mode_renders_no_autoscaler() -> None:
     cr = deployment()
     assert cr.spec.scaling is not None and cr.spec.scaling.mode == "builtin"
     assert render_autoscaler(cr) is None
-    assert [o["kind"] for o in render(cr, plan(cr.spec))][-1] == "PodDisruptionBudget"
+    assert [o["kind"] for o in render(cr, plan(cr.spec))][-1] == "NetworkPolicy"
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -148,6 +148,14 @@ def test_the_keda_schema_check_is_strict() -> None:
         ({"mode": "hpa", "minReplicas": 0}, "mode hpa needs minReplicas >= 1"),
         ({"mode": "vpa"}, "mode"),
         ({"mode": "keda", "prometheusAddress": "prometheus:9090"}, "prometheusAddress"),
+        # KEDA queries it with its own identity: in-cluster Services only.
+        ({"mode": "keda", "prometheusAddress": "http://169.254.169.254/x"}, "prometheusAddress"),
+        ({"mode": "keda", "prometheusAddress": "http://10.0.0.1:9090"}, "prometheusAddress"),
+        (
+            {"mode": "keda", "prometheusAddress": "https://prom.attacker.example"},
+            "prometheusAddress",
+        ),
+        ({"mode": "keda", "prometheusAddress": "http://[fd00:ec2::254]/"}, "prometheusAddress"),
         # What the HPA (under KEDA too) cannot do as the builtin mode does is refused, not
         # done otherwise in silence.
         (

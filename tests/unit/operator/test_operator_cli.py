@@ -78,6 +78,8 @@ def test_render_prints_multi_document_yaml(capsys: pytest.CaptureFixture[str]) -
         "Service",
         "Deployment",
         "PodDisruptionBudget",
+        "NetworkPolicy",
+        "Secret",
     ]
     config = json.loads(docs[0]["data"]["engine.json"])
     assert config["plan"]["maxModelLen"] == 8192

@@ -59,6 +59,7 @@ def test_every_rendered_object_is_valid_kubernetes(path: Path, version: str) -> 
             "Service",
             "Deployment",
             "PodDisruptionBudget",
+            "NetworkPolicy",
         ]
         for obj in objects:
             kubernetes_validate.validate(obj, version, strict=True)

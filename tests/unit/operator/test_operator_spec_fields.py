@@ -12,6 +12,7 @@ import pytest
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.api.manifests import parse_llmdeployment
 from fleetllm.operator.crd import crd
+from fleetllm.operator.pod_env import base_env
 from fleetllm.operator.render import render
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.plan import plan
@@ -52,7 +53,9 @@ def _env(container: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("backend", ["builtin", "vllm"])
-def test_spec_env_reaches_the_engine_and_the_pull_and_wins_over_ours(backend: str) -> None:
+def test_spec_env_reaches_the_engine_and_wins_over_ours_the_pull_gets_credentials_only(
+    backend: str,
+) -> None:
     secret = {"secretKeyRef": {"name": "hf", "key": "token"}}
     cr = llmdeployment(
         engine={
@@ -60,6 +63,7 @@ def test_spec_env_reaches_the_engine_and_the_pull_and_wins_over_ours(backend: st
             "env": [
                 {"name": "HF_TOKEN", "valueFrom": secret},
                 {"name": "HF_HOME", "value": "/var/cache/fleetllm/hub"},
+                {"name": "HF_ENDPOINT", "value": "https://hub.attacker.example"},
                 {"name": "VLLM_NO_USAGE_STATS", "value": "0"},
             ],
         }
@@ -67,12 +71,15 @@ def test_spec_env_reaches_the_engine_and_the_pull_and_wins_over_ours(backend: st
     pod = deployment(cr)["spec"]["template"]["spec"]
     (engine,) = pod["containers"]
     (pull,) = pod["initContainers"]
-    for container in (engine, pull):
-        env = _env(container)
-        assert env["HF_TOKEN"] == secret
-        assert env["HF_HOME"] == "/var/cache/fleetllm/hub"
-        assert env["HOME"] == "/var/cache/fleetllm"  # ours, where the spec is silent
-    assert _env(engine)["VLLM_NO_USAGE_STATS"] == "0"
+    env = _env(engine)
+    assert env["HF_TOKEN"] == secret
+    assert env["HF_HOME"] == "/var/cache/fleetllm/hub"
+    assert env["HOME"] == "/var/cache/fleetllm"  # ours, where the spec is silent
+    assert env["VLLM_NO_USAGE_STATS"] == "0"
+    # The pull fills a cache other LLMDeployments may share: the credentials reach it, an
+    # endpoint override (or anything else the policy's pullEnv does not name) never does.
+    assert _env(pull) == {**{v["name"]: v["value"] for v in base_env()}, "HF_TOKEN": secret}
+    assert "HF_ENDPOINT" not in _env(pull)
 
 
 def test_an_env_name_given_twice_is_refused_by_the_model_and_the_crd() -> None:

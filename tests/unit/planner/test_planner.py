@@ -528,3 +528,15 @@ def test_what_the_builtin_engine_cannot_split_or_load_is_refused(
 def test_speculative_lookup_bounds_are_checked() -> None:
     with pytest.raises(ValueError, match="promptLookupMin 4 exceeds promptLookupMax 2"):
         spec(speculative={"numSpeculativeTokens": 2, "promptLookupMax": 2, "promptLookupMin": 4})
+
+
+def test_the_builtin_engines_waiting_queue_is_bounded_and_vllms_has_no_such_flag() -> None:
+    builtin = plan(
+        spec(model={"name": "smol", "source": "builtin://smollm2-135m"}, gpu={"type": "cpu"})
+    )
+    args = list(builtin.args)
+    seqs = int(args[args.index("--max-num-seqs") + 1])
+    bound = int(args[args.index("--max-waiting-requests") + 1])
+    assert bound >= seqs and bound >= 16
+    vllm = plan(spec(engine={"backend": "vllm"}))
+    assert "--max-waiting-requests" not in vllm.args

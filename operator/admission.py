@@ -1,0 +1,28 @@
+"""The admin's policy applied to one planned LLMDeployment, the same way in the operator and in
+`fleetllm render`: on the engine container as it would be rendered, so that planned images and
+resources count as much as what the spec sets."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from fleetllm.api.contract import engine_key_secret
+from fleetllm.api.deployment import LLMDeployment
+from fleetllm.operator.render import _metadata, render_deployment
+from fleetllm.operator.render_access import render_key_secret
+from fleetllm.planner.plan import Plan
+from fleetllm.planner.settings import OperatorConfig
+from fleetllm.policy.check import PolicyReport, check
+
+
+def review(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> PolicyReport:
+    container = render_deployment(cr, plan, config)["spec"]["template"]["spec"]["containers"][0]
+    return check(cr, config.policy, container["image"], container["resources"])
+
+
+def new_key_secret(cr: LLMDeployment) -> dict[str, Any]:
+    """The engine-key Secret with a fresh random key (256 bits)."""
+    return render_key_secret(
+        _metadata(cr, engine_key_secret(cr.metadata.name)), secrets.token_urlsafe(32)
+    )

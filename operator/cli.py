@@ -14,6 +14,7 @@ import yaml
 from fleetllm.api.catalog import GPU_PROFILES
 from fleetllm.api.deployment import NAME_PATTERN, LLMDeployment
 from fleetllm.api.manifests import load_llmdeployments
+from fleetllm.operator.cluster_args import add_image_arguments, cluster_settings_from_args
 from fleetllm.operator.crd import crd_yaml, reference_markdown
 from fleetllm.operator.render import render
 from fleetllm.planner.errors import PlanError
@@ -67,20 +68,23 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the cache claim is ReadOnlyMany, filled beforehand with `fleetllm model pull`",
     )
+    add_image_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     claim = args.model_cache_claim
+    cluster = cluster_settings_from_args(args)
     if claim is None:
         if args.model_cache_read_only:
             raise ValueError("--model-cache-read-only needs --model-cache-claim")
-        return OperatorConfig(gpu_profile=args.gpu_profile, cpu_bf16=args.cpu_bf16)
+        return OperatorConfig(gpu_profile=args.gpu_profile, cpu_bf16=args.cpu_bf16, **cluster)
     if not re.match(NAME_PATTERN, claim) or len(claim) > 253:
         raise ValueError(f"--model-cache-claim {claim!r} is not a valid claim name")
     return OperatorConfig(
         gpu_profile=args.gpu_profile,
         cpu_bf16=args.cpu_bf16,
         model_cache=ModelCache(claim, read_only=args.model_cache_read_only),
+        **cluster,
     )
 
 

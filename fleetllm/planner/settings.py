@@ -5,9 +5,11 @@ CPU. Pure data."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fleetllm.api.catalog import GPU_PROFILES
+from fleetllm.images import DEFAULT_ENGINE_IMAGES, EngineImages
+from fleetllm.planner.pod_settings import EnginePodSettings
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,13 @@ class OperatorConfig:
     cpu_bf16: bool = False
     """The nodes of cpu replicas compute bfloat16 natively (AVX512-BF16 or AMX): dtype auto
     plans them in bfloat16, as the engine's auto picks there; otherwise in float32."""
+    images: EngineImages = DEFAULT_ENGINE_IMAGES
+    """The images of engine pods (a mirror's, when the cluster pulls from one)."""
+    image_pull_secrets: tuple[str, ...] = ()
+    """Secrets (in each model's namespace) with the credentials to pull those images."""
+    pod: EnginePodSettings = field(default_factory=EnginePodSettings)
+    """The cluster admin's settings of every engine pod (runtime class, /dev/shm, probes,
+    rollout, extra env and volumes)."""
 
     def __post_init__(self) -> None:
         if self.gpu_profile not in GPU_PROFILES:

@@ -63,6 +63,7 @@ class EngineStats:
     spec_decode_num_drafts: int = 0  # requests' steps that verified drafts
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    attention: dict[str, str] = field(default_factory=dict)  # by phase; "fallback": why
 
 
 @dataclass
@@ -544,6 +545,7 @@ class LLMEngine:
             spec_decode_num_drafts=self._spec_drafts,
             spec_decode_num_draft_tokens=self._spec_draft_tokens,
             spec_decode_num_accepted_tokens=self._spec_accepted_tokens,
+            attention=dict(self.executor.attention),
         )
 
     @staticmethod

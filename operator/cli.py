@@ -46,9 +46,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gpu-profile",
         choices=GPU_PROFILES,
-        default="none",
-        help="node labels that select a GPU type: none (only nvidia.com/gpu requests; "
-        "the default), gfd (nvidia.com/gpu.product), gke (cloud.google.com/gke-accelerator), "
+        default="auto",
+        help="node labels that select a GPU type: auto (the default: no selector, but a node "
+        "labelled with another GPU type is avoided), none (only nvidia.com/gpu requests), "
+        "gfd (nvidia.com/gpu.product), gke (cloud.google.com/gke-accelerator), "
         "karpenter (karpenter.k8s.aws/instance-gpu-name)",
     )
     g.add_argument(

@@ -9,6 +9,9 @@ import copy
 import math
 from typing import Any
 
+from fleetllm.api.deployment import LLMDeployment
+from fleetllm.planner.gpu_affinity import pinning_affinity
+from fleetllm.planner.plan import Plan
 from fleetllm.planner.settings import OperatorConfig
 
 # The startup probe's period (render.py): extra start-up seconds become failures of it.
@@ -36,10 +39,16 @@ def _with_extra_env(env: list[dict[str, Any]], extra: tuple[dict[str, Any], ...]
     return [var for var in env if var["name"] not in names] + [copy.deepcopy(v) for v in extra]
 
 
-def apply_cluster_settings(deployment: dict[str, Any], config: OperatorConfig) -> dict[str, Any]:
+def apply_cluster_settings(
+    deployment: dict[str, Any], cr: LLMDeployment, plan: Plan, config: OperatorConfig
+) -> dict[str, Any]:
     settings = config.pod
     out = copy.deepcopy(deployment)
     spec = out["spec"]
+    profile = cr.spec.gpu.node_selector_profile or config.gpu_profile
+    # An LLMDeployment's own affinity replaces the renderer's, pinning included.
+    if profile == "auto" and plan.gpu.is_gpu and cr.spec.pod.affinity is None:
+        spec["template"]["spec"]["affinity"]["nodeAffinity"] = pinning_affinity(plan.gpu)
     spec["strategy"]["rollingUpdate"] = {
         "maxSurge": settings.rollout.max_surge,
         "maxUnavailable": settings.rollout.max_unavailable,

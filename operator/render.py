@@ -402,7 +402,7 @@ def render_deployment(
             },
         },
     }
-    return apply_cluster_settings(deployment, config)
+    return apply_cluster_settings(deployment, cr, plan, config)
 
 
 def _milli(value: float) -> str:

@@ -24,7 +24,7 @@ class ModelCache:
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    gpu_profile: str = "none"
+    gpu_profile: str = "auto"
     """Which node labels select a GPU type (catalog.GPU_PROFILES); an LLMDeployment's
     gpu.nodeSelectorProfile overrides it."""
     model_cache: ModelCache | None = None

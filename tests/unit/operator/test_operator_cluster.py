@@ -54,7 +54,7 @@ GPU_LABELS = {
 }
 CONFIGS = [
     OperatorConfig(),
-    *(OperatorConfig(gpu_profile=p) for p in GPU_PROFILES if p != "none"),
+    *(OperatorConfig(gpu_profile=p) for p in GPU_PROFILES if p != "auto"),
     OperatorConfig(model_cache=ModelCache("model-cache")),
     OperatorConfig(gpu_profile="gke", model_cache=ModelCache("model-cache", read_only=True)),
 ]
@@ -282,15 +282,65 @@ def test_no_gpu_label_selector_unless_the_profile_asks_for_it(config: OperatorCo
     for cr, pod in _pods(config):
         profile = cr.spec.gpu.node_selector_profile or config.gpu_profile
         selected = set(pod["nodeSelector"]) & GPU_LABELS
-        affinity = json.dumps(pod.get("affinity", {}))
-        assert not any(label in affinity for label in GPU_LABELS)
         gpu = GPU_TYPES[cr.spec.gpu.type]
-        if profile == "none" or not gpu.is_gpu:
+        affinity = pod.get("affinity", {})
+        if profile == "auto" and gpu.is_gpu and cr.spec.pod.affinity is None:
+            # auto: only NotIn, which a node without the label matches (autoscalers too).
+            (term,) = affinity.pop("nodeAffinity")[
+                "requiredDuringSchedulingIgnoredDuringExecution"
+            ]["nodeSelectorTerms"]
+            assert {e["operator"] for e in term["matchExpressions"]} == {"NotIn"}
+            assert gpu.product_label not in term["matchExpressions"][0]["values"]
+        assert not any(label in json.dumps(affinity) for label in GPU_LABELS)
+        if profile in ("none", "auto") or not gpu.is_gpu:
             assert selected == set(), cr.metadata.name
         else:
             expected = gpu.node_labels(profile)
             assert expected
             assert {k: pod["nodeSelector"][k] for k in selected} == expected
+
+
+def _schedulable(pod: dict[str, Any], node_labels: dict[str, str]) -> bool:
+    """Whether a node with these labels passes the pod's required node affinity (NotIn and In,
+    as the scheduler evaluates them) and its node selector."""
+    if any(node_labels.get(k) != v for k, v in pod["nodeSelector"].items() if k in GPU_LABELS):
+        return False
+    required = pod.get("affinity", {}).get("nodeAffinity", {})
+    terms = required.get("requiredDuringSchedulingIgnoredDuringExecution", {})
+    for term in terms.get("nodeSelectorTerms", [{"matchExpressions": []}]):
+        ok = True
+        for e in term["matchExpressions"]:
+            value = node_labels.get(e["key"])
+            if e["operator"] == "NotIn":
+                ok &= value is None or value not in e["values"]
+            else:
+                ok &= value in e["values"]
+        if ok:
+            return True
+    return False
+
+
+def test_the_auto_profile_avoids_nodes_labelled_as_another_gpu() -> None:
+    config = OperatorConfig()
+    assert config.gpu_profile == "auto"
+    pods = {cr.metadata.name: (cr, pod) for cr, pod in _pods(config)}
+    checked = 0
+    for cr, pod in pods.values():
+        gpu = GPU_TYPES[cr.spec.gpu.type]
+        if not gpu.is_gpu or cr.spec.gpu.node_selector_profile:
+            continue
+        assert _schedulable(pod, {})  # unlabelled nodes, an autoscaler's template
+        for other in GPU_TYPES.values():
+            if not other.is_gpu:
+                continue
+            labels = {GPU_PRODUCT_LABEL: other.product_label} if other.product_label else {}
+            if other.gke_accelerator:
+                labels[GKE_ACCELERATOR_LABEL] = other.gke_accelerator
+            fits = _schedulable(pod, labels)
+            same = other.product_label == gpu.product_label
+            assert fits == same, (cr.metadata.name, other.name)
+        checked += 1
+    assert checked >= 3
 
 
 def test_profiles_use_each_clusters_own_labels() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from helmchart import CHART, by_kind, one, render, run, tool
+from helmchart import CHART, by_kind, one, render, run, tool, validate
 
 from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.cli import build_parser
@@ -175,3 +175,57 @@ def test_every_value_has_a_description_from_its_comment() -> None:
 def test_the_router_pdb_name_is_the_releases() -> None:
     objects = render(None, "router.replicas=1")
     assert one(objects, "PodDisruptionBudget", "fleetllm-router")["spec"]["maxUnavailable"] == 1
+
+
+def test_the_chart_makes_the_model_cache_claim_of_a_storage_class() -> None:
+    sets = [
+        "watchNamespaces={team-a,team-b}",
+        "operator.modelCache.claimName=model-cache",
+        "operator.modelCache.create.enabled=true",
+        "operator.modelCache.create.storageClassName=efs-sc",
+        "operator.modelCache.create.size=2Ti",
+    ]
+    objects = render(None, *sets)
+    assert validate(objects) == []
+    claims = by_kind(objects, "PersistentVolumeClaim")
+    assert sorted(c["metadata"]["namespace"] for c in claims) == ["team-a", "team-b"]
+    for claim in claims:
+        assert claim["metadata"]["name"] == "model-cache"
+        assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        assert claim["spec"] == {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "efs-sc",
+            "resources": {"requests": {"storage": "2Ti"}},
+        }
+    config = _config(*sets)
+    assert config.model_cache is not None and config.model_cache.claim_name == "model-cache"
+    assert by_kind(render(), "PersistentVolumeClaim") == []
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["operator.modelCache.create.enabled=true"], "needs operator.modelCache.claimName"),
+        (
+            ["operator.modelCache.create.enabled=true", "operator.modelCache.claimName=c"],
+            "needs watchNamespaces",
+        ),
+        (
+            [
+                "operator.modelCache.create.enabled=true",
+                "operator.modelCache.claimName=c",
+                "operator.modelCache.readOnly=true",
+                "watchNamespaces={a}",
+            ],
+            "cannot be readOnly",
+        ),
+        (["operator.modelCache.create.size=lots"], "size"),
+    ],
+)
+def test_a_model_cache_claim_that_cannot_be_made_is_refused(sets: list[str], message: str) -> None:
+    args = [tool("helm"), "template", "x", str(CHART)]
+    for item in sets:
+        args += ["--set", item]
+    result = run(*args, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr

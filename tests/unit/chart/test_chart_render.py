@@ -187,12 +187,18 @@ def test_the_commands_parse_and_carry_the_values(value_set: str | None) -> None:
     assert {p["metadata"]["name"] for p in peerings} == {operator.peering}
     assert sorted(p["metadata"].get("namespace") for p in peerings) == (watched or [None])
     cache = values["operator"]["modelCache"]
-    assert config_from_args(operator) == OperatorConfig(
+    config = config_from_args(operator)
+    assert config == OperatorConfig(
         gpu_profile=values["operator"]["gpuProfile"],
         cpu_bf16=values["operator"]["cpuBf16"],
         model_cache=ModelCache(cache["claimName"], cache["readOnly"])
         if cache["claimName"]
         else None,
+        # Images, pull secrets and engine pod settings: test_chart_images.py and
+        # test_chart_engine_pods.py check what they carry.
+        images=config.images,
+        image_pull_secrets=tuple(s["name"] for s in values["imagePullSecrets"]),
+        pod=config.pod,
     )
 
     deployment = _deployment(objects, "router")

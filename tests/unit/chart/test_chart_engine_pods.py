@@ -229,3 +229,17 @@ def test_a_model_cache_claim_that_cannot_be_made_is_refused(sets: list[str], mes
     result = run(*args, check=False)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
+
+
+def test_install_notes_name_the_engine_pull_secrets_and_the_download_disk() -> None:
+    def notes(values: str) -> str:
+        return run(
+            tool("helm"), "install", "fleetllm", str(CHART), "--dry-run=client",
+            "--values", str(CHART / "ci" / values),
+        ).stdout.split("NOTES:", 1)[1]  # fmt: skip
+
+    gpu = notes("gpu-cluster-values.yaml")
+    assert "Secrets ecr-pull: create them in each model's namespace" in gpu
+    assert "ephemeral storage" not in gpu  # it has a model cache
+    plain = notes("ingress-values.yaml")
+    assert "Secrets" not in plain and "ephemeral storage" in plain

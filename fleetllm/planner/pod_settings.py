@@ -10,8 +10,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from fleetllm.planner.placement import MODEL_CACHE_MOUNT, MODEL_MOUNT
+
 # Names and paths the renderer itself uses: an extra volume or mount may not take them.
 RESERVED_VOLUMES = frozenset({"cache", "tmp", "config", "models", "model", "dshm"})
+RESERVED_MOUNTS = frozenset(
+    {"/var/cache/fleetllm", "/tmp", "/etc/fleetllm", MODEL_MOUNT, MODEL_CACHE_MOUNT, "/dev/shm"}
+)
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
@@ -73,9 +78,13 @@ class EnginePodSettings:
         self._check_extras()
 
     def _check_extras(self) -> None:
+        names = set()
         for var in self.extra_env:
             if not isinstance(var.get("name"), str) or not _ENV_NAME.match(var["name"]):
                 raise PodSettingsError(f"extraEnv entry {var!r} has no valid name")
+            if var["name"] in names:  # server-side apply refuses a name twice
+                raise PodSettingsError(f"extraEnv sets {var['name']!r} twice")
+            names.add(var["name"])
         volumes = set()
         for volume in self.extra_volumes:
             name = volume.get("name")
@@ -89,8 +98,11 @@ class EnginePodSettings:
                 raise PodSettingsError(
                     f"extraVolumeMounts entry {mount!r} names no volume of extraVolumes"
                 )
-            if not str(mount.get("mountPath", "")).startswith("/"):
+            path = str(mount.get("mountPath", ""))
+            if not path.startswith("/"):
                 raise PodSettingsError(f"extraVolumeMounts entry {mount!r} has no absolute path")
+            if path.rstrip("/") in RESERVED_MOUNTS:
+                raise PodSettingsError(f"extraVolumeMounts: the path {path!r} is the engine's own")
 
 
 _KEYS = {

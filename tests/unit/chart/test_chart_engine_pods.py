@@ -130,6 +130,14 @@ def test_bad_engine_pod_values_are_refused_by_the_chart(setting: str, message: s
         ({"extraVolumes": [{"name": "dshm", "emptyDir": {}}]}, "'dshm' is taken"),
         ({"extraVolumeMounts": [{"name": "x", "mountPath": "/x"}]}, "names no volume"),
         ({"extraEnv": [{"value": "1"}]}, "extraEnv"),
+        ({"extraEnv": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, "twice"),
+        (
+            {
+                "extraVolumes": [{"name": "x", "emptyDir": {}}],
+                "extraVolumeMounts": [{"name": "x", "mountPath": "/tmp"}],
+            },
+            "the engine's own",
+        ),
         ({"runtimeClass": "nvidia"}, "unknown field runtimeClass"),
     ],
 )

@@ -58,12 +58,18 @@ async def test_the_engine_serves_on_torch_when_no_kernel_builds(
         assert answer.status_code == 200
         assert answer.json()["usage"]["completion_tokens"] == 4
         version = (await client.get("/version")).json()
+        metrics = (await client.get("/metrics")).text
     await asyncio.to_thread(engine.shutdown)
 
     attention = version["attention"]
     assert attention["decode"] == attention["prefill"] == "torch"
     assert NO_COMPILER in attention["fallback"]
     assert "decode" in attention["fallback"] and "prefill" in attention["fallback"]
+    for phase in ("decode", "prefill"):
+        assert (
+            f'fleetllm:attention_backend_info{{backend="torch",fallback="true",'
+            f'model_name="{SERVED_NAME}",phase="{phase}"}} 1.0'
+        ) in metrics
     # No CUDA graphs to replay a kernel that does not run.
     assert built[0].runner.graphs is None
     warnings = [r for r in caplog.records if "falls back" in r.getMessage()]

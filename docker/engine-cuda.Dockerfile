@@ -27,6 +27,14 @@ LABEL org.opencontainers.image.title="fleetllm-engine-cuda" \
       org.opencontainers.image.description="fleetllm engine for NVIDIA GPUs" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
+# Triton compiles a small C launcher per kernel at its first launch with the system compiler
+# (and Python's headers, which this base image has): without gcc every Triton kernel fails to
+# build. bookworm's gcc is fixed by the release; libc6-dev must match the image's libc6, which
+# a pin would break at the next point release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install --yes --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 1000 fleetllm \
     && useradd --system --uid 1000 --gid fleetllm --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin fleetllm

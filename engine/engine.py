@@ -63,6 +63,7 @@ class EngineStats:
     spec_decode_num_drafts: int = 0  # requests' steps that verified drafts
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    attention: dict[str, str] = field(default_factory=dict)  # by phase; "fallback": why
 
 
 @dataclass
@@ -297,10 +298,7 @@ class LLMEngine:
         failures: dict[str, Exception] = {}
         logits, sampled, prompt_rows = self._execute(out.scheduled, failures)
         if prompt_rows:
-            n = len(logits) - len(prompt_rows)
-            for req, exc in prompt_logprobs.record(logits[n:], prompt_rows):
-                failures[req.request_id] = exc
-            logits = logits[:n]
+            logits = prompt_logprobs.record(logits, prompt_rows, failures)
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
         for s, tokens, logprobs, error in self._sample(logits, sampled):
@@ -381,8 +379,7 @@ class LLMEngine:
             parts.append(logits[: len(logits) - len(prompts)])
             prompt_parts.append(logits[len(logits) - len(prompts) :])
             sampled += rows
-            prompt_rows.requests.extend(prompts.requests)
-            prompt_rows.positions.extend(prompts.positions)
+            prompt_rows.extend(prompts)
         logits = torch.cat(parts + prompt_parts) if parts else torch.empty(0)
         return logits, sampled, prompt_rows
 
@@ -557,6 +554,7 @@ class LLMEngine:
             spec_decode_num_drafts=self._spec_drafts,
             spec_decode_num_draft_tokens=self._spec_draft_tokens,
             spec_decode_num_accepted_tokens=self._spec_accepted_tokens,
+            attention=dict(self.executor.attention),
         )
 
     @staticmethod

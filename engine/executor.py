@@ -75,6 +75,10 @@ class LocalExecutor:
         )
         return [self.runner.kv_cache_bytes]
 
+    @property
+    def attention(self) -> dict[str, str]:
+        return self.runner.attention if self.runner is not None else {}
+
     def execute(self, step: StepInput) -> torch.Tensor:
         assert self.runner is not None
         logits = self.runner.execute(step)
@@ -113,6 +117,7 @@ class MultiprocExecutor:
     def __init__(self, spec: WorkerSpec, size: int) -> None:
         self.spec = spec
         self.size = size
+        self.attention: dict[str, str] = {}
         self.device = torch.device(spec.device)
         self._failure: str | None = None
         self._closing = False
@@ -162,7 +167,10 @@ class MultiprocExecutor:
 
     def allocate_kv(self, num_blocks: int) -> list[int]:
         self._broadcast(("allocate", num_blocks))
-        return self._replies(range(self.size))
+        replies = self._replies(range(self.size))
+        # Every rank runs the same kernels on its shard of the heads: rank 0's choice stands.
+        self.attention = replies[0][1]
+        return [kv_bytes for kv_bytes, _ in replies]
 
     def execute(self, step: StepInput) -> torch.Tensor:
         self.check_health()

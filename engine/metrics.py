@@ -216,3 +216,16 @@ class _StatsCollector(Collector):
             )
             info.add_metric([str(s.block_size), str(s.num_kv_blocks)], 1.0)
             yield info
+            # Which attention each phase runs; fallback="true" where a Triton kernel could not
+            # build or launch and the phase runs on torch instead (the reason is in /version).
+            attention = GaugeMetricFamily(
+                "fleetllm:attention_backend_info",
+                "The attention implementation of each phase (1)",
+                labels=[LABEL, "phase", "backend", "fallback"],
+            )
+            fell_back = "true" if "fallback" in s.attention else "false"
+            for phase in ("decode", "prefill"):
+                if phase in s.attention:
+                    labels = [self.model_name, phase, s.attention[phase], fell_back]
+                    attention.add_metric(labels, 1.0)
+            yield attention

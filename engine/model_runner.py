@@ -65,6 +65,10 @@ class PromptRows:
     def __len__(self) -> int:
         return len(self.positions)
 
+    def extend(self, other: PromptRows) -> None:
+        self.requests.extend(other.requests)
+        self.positions.extend(other.positions)
+
 
 class StepBuilder:
     """Builds the `StepInput`s of one engine (its ranks see them in order), sending each
@@ -211,6 +215,8 @@ class ModelRunner:
         ]
         self._zero_blocks(range(NULL_BLOCK, NULL_BLOCK + 1))
         self.graphs: DecodeGraphs | None = None
+        self.attention: dict[str, str] = {"decode": "torch", "prefill": "torch"}
+        """The attention implementation of each phase, and why a Triton kernel fell back."""
         if device.type == "cuda" and kv_cache_dtype == "auto":
             self._setup_gpu(max_model_len, max_num_seqs, enforce_eager or model.tp.size > 1)
         elif cpu_attention.supported(dtype, device, kv_cache_dtype):
@@ -219,8 +225,9 @@ class ModelRunner:
     def _setup_gpu(self, max_model_len: int, max_num_seqs: int, enforce_eager: bool) -> None:
         try:
             from fleetllm.engine import triton_attention
-        except ImportError:
+        except ImportError as error:
             log.warning("triton is not installed: attention runs on the torch reference")
+            self.attention = {"decode": "torch", "prefill": "torch", "fallback": str(error)}
             return
         attn = self.model.model.layers[0].self_attn.attn  # this device's heads
         k_cache, v_cache = self.kv_caches[0]
@@ -237,17 +244,29 @@ class ModelRunner:
             max_model_len,
             max_num_seqs,
         )
-        if not enforce_eager:
+        if backend.failures:
+            # Once, at start-up: every step after this runs those phases on torch.
+            log.warning(
+                "triton kernel unavailable: attention falls back to the torch reference",
+                extra={
+                    "phases": sorted(backend.failures),
+                    "error": next(iter(backend.failures.values())),
+                },
+            )
+        if "decode" in backend.failures:
+            # CUDA graphs replay the kernel's decode (fixed shapes); torch's runs eagerly.
+            enforce_eager = True
+        elif not enforce_eager:
             # A graph replays fixed shapes: the kernel's decode, reading whole table rows.
             backend.triton_decode = True
         self.model.set_attention(backend)
-        log.info(
-            "attention backend",
-            extra={
-                "decode": "triton" if backend.triton_decode else "torch",
-                "prefill": "triton" if backend.triton_prefill else "torch",
-            },
-        )
+        self.attention = {
+            "decode": "triton" if backend.triton_decode else "torch",
+            "prefill": "triton" if backend.triton_prefill else "torch",
+        }
+        if backend.failures:
+            self.attention["fallback"] = "; ".join(f"{k}: {v}" for k, v in backend.failures.items())
+        log.info("attention backend", extra=dict(self.attention))
         if not enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model,
@@ -267,7 +286,9 @@ class ModelRunner:
                     attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, kernel
                 )
             )
-        log.info("attention backend", extra={"decode": "cpu kernel" if kernel else "torch"})
+        if kernel is not None:
+            self.attention["decode"] = "cpu kernel"
+        log.info("attention backend", extra=dict(self.attention))
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -10,8 +10,6 @@ it computes are cached for others as usual.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from fleetllm.engine.model_runner import PromptRows
@@ -19,18 +17,21 @@ from fleetllm.engine.request import Logprob, Request
 from fleetllm.engine.sampler import logprob_entries
 
 
-def record(logits: torch.Tensor, rows: PromptRows) -> Iterator[tuple[Request, Exception]]:
-    """Append each row's entry to its request, in position order; yields the requests whose
-    rows could not be scored, with why (they fail alone)."""
+def record(logits: torch.Tensor, rows: PromptRows, failures: dict[str, Exception]) -> torch.Tensor:
+    """`logits`: a step's sampled rows, then its prompt rows. Appends each prompt row's entry
+    to its request, in position order, and returns the sampled rows. A request whose rows
+    cannot be scored is recorded in `failures` with why (it fails alone)."""
+    start = len(logits) - len(rows)
     by_request: dict[int, list[int]] = {}
     for j, req in enumerate(rows.requests):
-        by_request.setdefault(id(req), []).append(j)
+        by_request.setdefault(id(req), []).append(start + j)
     for members in by_request.values():
-        req = rows.requests[members[0]]
+        req = rows.requests[members[0] - start]
         try:
-            _record_one(req, logits[members], [rows.positions[j] for j in members])
+            _record_one(req, logits[members], [rows.positions[j - start] for j in members])
         except Exception as exc:
-            yield req, exc
+            failures[req.request_id] = exc
+    return logits[:start]
 
 
 def _record_one(req: Request, logits: torch.Tensor, positions: list[int]) -> None:

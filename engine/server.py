@@ -228,8 +228,11 @@ def create_app(
         return Response(status_code=200)
 
     @open_routes.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
+    async def version() -> dict[str, Any]:
+        # The attention implementation in use: a Triton kernel that could not build or launch
+        # shows here as torch with its "fallback" reason.
+        stats = engine.stats
+        return {"version": __version__, "attention": stats.attention if stats else {}}
 
     @open_routes.get("/metrics")
     async def metrics_route() -> Response:

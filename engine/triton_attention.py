@@ -303,6 +303,8 @@ class TritonPagedAttention(TorchPagedAttention):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.triton_decode = triton_decode
         self.triton_prefill = triton_prefill
+        self.failures: dict[str, str] = {}
+        """Phase -> why its kernel could not build or launch (that phase runs on torch)."""
 
     def decode(
         self,
@@ -422,13 +424,20 @@ def measured_backend(
     )
     reference = TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     kernels = TritonPagedAttention(num_heads, num_kv_heads, head_dim, scale)
-    decode_wins = timer(run(decode_md, kernels, decodes)) < timer(
+    decode_kernel = run(decode_md, kernels, decodes)
+    prefill_kernel = run(prefill_md, kernels, 2 * chunk)
+    failures = {
+        phase: failure
+        for phase, fn in (("decode", decode_kernel), ("prefill", prefill_kernel))
+        if (failure := launch_failure(fn, device)) is not None
+    }
+    decode_wins = "decode" not in failures and timer(decode_kernel) < timer(
         run(decode_md, reference, decodes)
     )
-    prefill_wins = timer(run(prefill_md, kernels, 2 * chunk)) < timer(
+    prefill_wins = "prefill" not in failures and timer(prefill_kernel) < timer(
         run(prefill_md, reference, 2 * chunk)
     )
-    return TritonPagedAttention(
+    chosen = TritonPagedAttention(
         num_heads,
         num_kv_heads,
         head_dim,
@@ -436,3 +445,19 @@ def measured_backend(
         triton_decode=decode_wins,
         triton_prefill=prefill_wins,
     )
+    chosen.failures = failures
+    return chosen
+
+
+def launch_failure(fn: Callable[[], object], device: torch.device) -> str | None:
+    """Why a first call of a kernel fails, or None. Triton builds its launcher with the
+    system's C compiler and the kernel for this GPU at the first call; either can fail (no
+    compiler in the image, an unsupported GPU, a driver too old), and the engine must then
+    serve on the torch reference instead of crash-looping."""
+    try:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as error:  # Triton's build and launch errors share no base class
+        return f"{type(error).__name__}: {error}"[:500]
+    return None

@@ -175,7 +175,7 @@ def _serve(rank: int, size: int, store_port: int, conn: Connection, spec: Worker
                 spec.batch_hint,
                 spec.enforce_eager,
             )
-            send(conn, ("allocated", runner.kv_cache_bytes))
+            send(conn, ("allocated", (runner.kv_cache_bytes, runner.attention)))
         elif kind == "step":
             assert runner is not None, "step before allocate"
             logits = runner.execute(payload)

@@ -4,6 +4,7 @@ resources count as much as what the spec sets."""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from typing import Any
 
@@ -18,7 +19,9 @@ from fleetllm.policy.check import PolicyReport, check
 
 def review(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> PolicyReport:
     container = render_deployment(cr, plan, config)["spec"]["template"]["spec"]["containers"][0]
-    return check(cr, config.policy, container["image"], container["resources"])
+    # The operator's own engine images (moved to a mirror, pinned) are the admin's choice.
+    own = dataclasses.astuple(config.images)
+    return check(cr, config.policy, container["image"], container["resources"], own)
 
 
 def new_key_secret(cr: LLMDeployment) -> dict[str, Any]:

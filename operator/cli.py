@@ -15,6 +15,7 @@ from fleetllm.api.catalog import GPU_PROFILES
 from fleetllm.api.deployment import NAME_PATTERN, LLMDeployment
 from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.operator.admission import new_key_secret, review
+from fleetllm.operator.cluster_args import add_image_arguments, cluster_settings_from_args
 from fleetllm.operator.crd import crd_yaml, reference_markdown
 from fleetllm.operator.render import render
 from fleetllm.planner.errors import PlanError
@@ -47,9 +48,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gpu-profile",
         choices=GPU_PROFILES,
-        default="none",
-        help="node labels that select a GPU type: none (only nvidia.com/gpu requests; "
-        "the default), gfd (nvidia.com/gpu.product), gke (cloud.google.com/gke-accelerator), "
+        default="auto",
+        help="node labels that select a GPU type: auto (the default: no selector, but a node "
+        "labelled with another GPU type is avoided), none (only nvidia.com/gpu requests), "
+        "gfd (nvidia.com/gpu.product), gke (cloud.google.com/gke-accelerator), "
         "karpenter (karpenter.k8s.aws/instance-gpu-name)",
     )
     g.add_argument(
@@ -87,6 +89,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         help="their app.kubernetes.io/instance label, the chart's release name "
         "(default: %(default)s)",
     )
+    add_image_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
@@ -110,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         policy=load_policy(args.policy) if args.policy else DEFAULT_POLICY,
         fleet_namespace=args.fleet_namespace,
         fleet_instance=args.fleet_instance,
+        **cluster_settings_from_args(args),
     )
 
 

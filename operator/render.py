@@ -26,8 +26,8 @@ from fleetllm.api.contract import (
 )
 from fleetllm.api.deployment import API_VERSION, KIND, LLMDeployment
 from fleetllm.api.scaling import ScalingSpec
-from fleetllm.images import CONTROL_PLANE_IMAGE
 from fleetllm.operator import drain_hook
+from fleetllm.operator.engine_pod import apply_cluster_settings
 from fleetllm.operator.pod_env import CACHE_DIR, RUN_AS, base_env, engine_env, with_user_env
 from fleetllm.operator.render_access import key_env, networkpolicy_name, render_networkpolicy
 from fleetllm.planner.placement import MODEL_CACHE_MOUNT, MODEL_MOUNT
@@ -243,7 +243,7 @@ def _pull_container(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> di
     read_only = config.model_cache is not None and config.model_cache.read_only
     return {
         "name": "model-pull",
-        "image": CONTROL_PLANE_IMAGE,
+        "image": config.images.model_pull,
         "command": ["fleetllm", "model", "pull"],
         "args": [cr.spec.model.source, plan.model_path, *(["--read-only"] if read_only else [])],
         # Credentials (HF_TOKEN, AWS_*) come from the same variables the engine gets, and only
@@ -364,7 +364,7 @@ def render_deployment(
         "prometheus.io/path": "/metrics",
         **cr.spec.pod.annotations,
     }
-    return {
+    deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _metadata(cr, child_names(name)["Deployment"]),
@@ -385,6 +385,7 @@ def render_deployment(
             },
         },
     }
+    return apply_cluster_settings(deployment, cr, plan, config)
 
 
 def _milli(value: float) -> str:

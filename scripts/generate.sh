@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 
 .venv/bin/fleetllm crds > crds/fleetllm.io_llmdeployments.yaml
 .venv/bin/fleetllm crds --reference > docs/crd-reference.md
+# values.schema.json describes each value with its comment in values.yaml.
+.venv/bin/python scripts/schema_descriptions.py
 cp crds/*.yaml charts/fleetllm/crds/
 rm charts/fleetllm/crds/kustomization.yaml
 

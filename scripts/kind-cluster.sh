@@ -7,11 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 cluster=${CLUSTER:-fleetllm}
-images=$(.venv/bin/python -c 'from fleetllm.images import CONTROL_PLANE_IMAGE, ENGINE_IMAGE
-print(CONTROL_PLANE_IMAGE, ENGINE_IMAGE)')
+images=$(.venv/bin/python -c 'from fleetllm.images import CONTROL_PLANE_IMAGE, ENGINE_IMAGE, MODEL_PULL_IMAGE
+print(CONTROL_PLANE_IMAGE, ENGINE_IMAGE, MODEL_PULL_IMAGE)')
 
 kind create cluster --name "$cluster"
-# shellcheck disable=SC2086 # two image references
-scripts/build-images.sh $images
+# shellcheck disable=SC2086 # image references
+scripts/build-images.sh --load $images
 # shellcheck disable=SC2086
 kind load docker-image $images --name "$cluster"

@@ -25,8 +25,11 @@ KARPENTER_GPU_MEMORY_LABEL = "karpenter.k8s.aws/instance-gpu-memory"
 # - gke: GKE's `cloud.google.com/gke-accelerator`, known before the node exists (Autopilot
 #   and node auto-provisioning need it);
 # - karpenter: EKS with Karpenter's `karpenter.k8s.aws/instance-gpu-name` (plus the GPU memory
-#   where one name covers two cards), known before the node exists.
-GPU_PROFILES = ("none", "gfd", "gke", "karpenter")
+#   where one name covers two cards), known before the node exists;
+# - auto: no node selector, but a node that carries any of those labels must carry the
+#   planned type's value (or no other catalog type's): a pod planned for an H100 never lands
+#   on a labelled L4, while unlabelled nodes (and autoscalers' templates) stay eligible.
+GPU_PROFILES = ("none", "gfd", "gke", "karpenter", "auto")
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class GPUType:
         CPU replicas, None when the profile has no label for this type."""
         if profile not in GPU_PROFILES:
             raise ValueError(f"unknown GPU profile {profile!r}; one of {', '.join(GPU_PROFILES)}")
-        if not self.is_gpu or profile == "none":
+        if not self.is_gpu or profile in ("none", "auto"):
             return {}
         if profile == "gfd":
             return {GPU_PRODUCT_LABEL: self.product_label} if self.product_label else None

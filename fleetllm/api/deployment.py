@@ -235,8 +235,9 @@ class GPUSpec(SpecModel):
         json_schema_extra={"enum": list(GPU_PROFILES)},
         description="Which node labels select this GPU type: gfd (nvidia.com/gpu.product), "
         "gke (cloud.google.com/gke-accelerator), karpenter "
-        "(karpenter.k8s.aws/instance-gpu-name), or none (no GPU label; set pod.nodeSelector "
-        "to choose nodes yourself). Defaults to the operator's --gpu-profile.",
+        "(karpenter.k8s.aws/instance-gpu-name), auto (no selector, but nodes labelled as "
+        "another GPU type are avoided), or none (no GPU label; set pod.nodeSelector to choose "
+        "nodes yourself). Defaults to the operator's --gpu-profile.",
     )
 
     @model_validator(mode="after")

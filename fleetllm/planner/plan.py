@@ -10,7 +10,6 @@ from fleetllm.api.catalog import GPUType, ModelArch
 from fleetllm.api.deployment import LLMDeploymentSpec
 from fleetllm.api.source import ModelSource
 from fleetllm.api.status import PlanStatus
-from fleetllm.images import ENGINE_CUDA_IMAGE, ENGINE_IMAGE, VLLM_CPU_IMAGE, VLLM_IMAGE
 from fleetllm.planner.checks import (
     check_backend,
     check_claims,
@@ -144,7 +143,7 @@ def plan(
         batched=batched,
     )
     check_extra_args(spec, args)
-    image = spec.engine.image or _default_image(spec, gpu)
+    image = spec.engine.image or _default_image(spec, gpu, config)
     status = PlanStatus(
         backend=spec.engine.backend,
         device="cuda" if gpu.is_gpu else "cpu",
@@ -185,10 +184,10 @@ def plan(
     )
 
 
-def _default_image(spec: LLMDeploymentSpec, gpu: GPUType) -> str:
+def _default_image(spec: LLMDeploymentSpec, gpu: GPUType, config: OperatorConfig) -> str:
     if spec.engine.backend == "vllm":
-        return VLLM_IMAGE if gpu.is_gpu else VLLM_CPU_IMAGE
-    return ENGINE_CUDA_IMAGE if gpu.is_gpu else ENGINE_IMAGE
+        return config.images.vllm if gpu.is_gpu else config.images.vllm_cpu
+    return config.images.engine_cuda if gpu.is_gpu else config.images.engine
 
 
 def _max_num_seqs(capacity: int, max_model_len: int, cap: int) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fleetllm.api.catalog import GPU_PROFILES
+from fleetllm.images import DEFAULT_ENGINE_IMAGES, EngineImages
+from fleetllm.planner.pod_settings import EnginePodSettings
 from fleetllm.policy.model import DEFAULT_POLICY, Policy
 
 
@@ -23,7 +25,7 @@ class ModelCache:
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    gpu_profile: str = "none"
+    gpu_profile: str = "auto"
     """Which node labels select a GPU type (catalog.GPU_PROFILES); an LLMDeployment's
     gpu.nodeSelectorProfile overrides it."""
     model_cache: ModelCache | None = None
@@ -39,6 +41,13 @@ class OperatorConfig:
     lets in."""
     fleet_instance: str = "fleetllm"
     """Their app.kubernetes.io/instance label (the chart's release name)."""
+    images: EngineImages = DEFAULT_ENGINE_IMAGES
+    """The images of engine pods (a mirror's, when the cluster pulls from one)."""
+    image_pull_secrets: tuple[str, ...] = ()
+    """Secrets (in each model's namespace) with the credentials to pull those images."""
+    pod: EnginePodSettings = field(default_factory=EnginePodSettings)
+    """The cluster admin's settings of every engine pod (runtime class, /dev/shm, probes,
+    rollout, extra env and volumes)."""
 
     def __post_init__(self) -> None:
         if self.gpu_profile not in GPU_PROFILES:

@@ -101,13 +101,14 @@ def check(
     policy: Policy,
     image: str,
     resources: Mapping[str, Mapping[str, Any]],
+    own_images: Iterable[str] = (),
 ) -> PolicyReport:
     """`image` and `resources` are the engine container's as rendered: the planned defaults
     count against the caps as much as what the spec sets."""
     report = PolicyReport()
     pod = cr.spec.pod
     add = report.violations.append
-    if not image_allowed(image, policy.allowed_image_registries):
+    if image not in own_images and not image_allowed(image, policy.allowed_image_registries):
         add(Violation("spec.engine.image", "allowedImageRegistries", f"{image} is not allowed"))
     if pod.service_account_name and not _matches(
         pod.service_account_name, policy.allowed_service_accounts

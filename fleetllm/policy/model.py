@@ -16,10 +16,14 @@ from pydantic import Field, ValidationError, field_validator
 from fleetllm.api.base import SpecModel
 from fleetllm.api.manifests import format_validation_error
 from fleetllm.api.quantity import QUANTITY_PATTERN
-from fleetllm.images import REGISTRY, UPSTREAM_IMAGES
+from fleetllm.images import BUILT_IMAGES, UPSTREAM_IMAGES
 
-# Repositories, not tags: an upgrade of the pinned images stays allowed.
-DEFAULT_REGISTRIES = [f"{REGISTRY}/", *sorted({i.rpartition(":")[0] for i in UPSTREAM_IMAGES})]
+# Repositories, not tags: an upgrade of the pinned images stays allowed. The project's own
+# images by their organisation (ghcr.io/fleetllm/), never the whole registry.
+DEFAULT_REGISTRIES = [
+    *sorted({f"{b.image.registry}/{b.image.repository.rpartition('/')[0]}/" for b in BUILT_IMAGES}),
+    *sorted({i.rpartition(":")[0] for i in UPSTREAM_IMAGES}),
+]
 # Names that change what code runs (the loader, the interpreter) or where weights and
 # credentials go (endpoint and proxy overrides).
 DEFAULT_DENIED_ENV = [

@@ -28,8 +28,31 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end -}}
 
+{{/* An image reference from {registry, repository, tag, digest}; global.imageRegistry
+replaces the registry (fleetllm.images.ImageRef does the same). . is a dict: root, image and
+tag (the default tag). */}}
+{{- define "fleetllm.imageRef" -}}
+{{- $registry := .root.Values.global.imageRegistry | default .image.registry -}}
+{{- if $registry }}{{ $registry }}/{{ end }}{{ .image.repository }}:{{ .image.tag | default .tag }}
+{{- with .image.digest }}@{{ . }}{{ end }}
+{{- end -}}
+
 {{- define "fleetllm.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{ include "fleetllm.imageRef" (dict "root" . "image" .Values.image "tag" .Chart.AppVersion) }}
+{{- end -}}
+
+{{/* The operator's flags for the images and pod settings of engines (operator/cluster_args.py). */}}
+{{- define "fleetllm.engineArgs" -}}
+{{- $images := .Values.engine.images -}}
+- --engine-image={{ include "fleetllm.imageRef" (dict "root" . "image" $images.cpu "tag" .Chart.AppVersion) }}
+- --engine-cuda-image={{ include "fleetllm.imageRef" (dict "root" . "image" $images.cuda "tag" (printf "%s-cuda" .Chart.AppVersion)) }}
+- --vllm-image={{ include "fleetllm.imageRef" (dict "root" . "image" $images.vllm "tag" "") }}
+- --vllm-cpu-image={{ include "fleetllm.imageRef" (dict "root" . "image" $images.vllmCpu "tag" "") }}
+- --model-pull-image={{ include "fleetllm.imageRef" (dict "root" . "image" $images.modelPull "tag" "") }}
+{{- range .Values.imagePullSecrets }}
+- --image-pull-secret={{ .name }}
+{{- end }}
+- {{ printf "--engine-pod-settings=%s" (toJson .Values.engine.pod) | quote }}
 {{- end -}}
 
 {{/* The restricted Pod Security Standard, for the pod and its container. */}}

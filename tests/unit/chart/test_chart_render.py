@@ -198,7 +198,8 @@ def test_the_commands_parse_and_carry_the_values(value_set: str | None, tmp_path
     )
     operator.policy = str(tmp_path / "policy.yaml")
     Path(operator.policy).write_text(policy["data"]["policy.yaml"])
-    assert config_from_args(operator) == OperatorConfig(
+    config = config_from_args(operator)
+    assert config == OperatorConfig(
         gpu_profile=values["operator"]["gpuProfile"],
         cpu_bf16=values["operator"]["cpuBf16"],
         model_cache=ModelCache(cache["claimName"], cache["readOnly"])
@@ -207,6 +208,11 @@ def test_the_commands_parse_and_carry_the_values(value_set: str | None, tmp_path
         policy=Policy.model_validate(values["policy"]),
         fleet_namespace=NAMESPACE,
         fleet_instance="fleetllm",
+        # Images, pull secrets and engine pod settings: test_chart_images.py and
+        # test_chart_engine_pods.py check what they carry.
+        images=config.images,
+        image_pull_secrets=tuple(s["name"] for s in values["imagePullSecrets"]),
+        pod=config.pod,
     )
 
     deployment = _deployment(objects, "router")

@@ -107,3 +107,38 @@ def test_each_phase_takes_the_faster_implementation() -> None:
             max_model_len=64, max_num_seqs=3, timer=timer,
         )  # fmt: skip
         assert (chosen.triton_decode, chosen.triton_prefill) == (decode, prefill)
+
+
+def test_a_kernel_that_cannot_build_falls_back_to_the_reference(monkeypatch) -> None:
+    """Triton compiles its launcher with the system's C compiler at the first call: without
+    one (or on a GPU the kernel cannot run on) that phase serves on the torch reference, its
+    reason kept, and only the other phase is timed."""
+    k_cache, v_cache, gen = setup(4, 2, 16, 4, torch.float32, seed=3)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    monkeypatch.setattr(ta, "paged_decode", no_compiler)
+    timed = []
+
+    def timer(fn) -> float:
+        fn()
+        timed.append(fn)
+        return float(len(timed))  # the kernel (asked first) wins
+
+    chosen = ta.measured_backend(
+        4, 2, 16, 0.25, k_cache, v_cache, block_size=4, num_blocks=39,
+        max_model_len=64, max_num_seqs=3, timer=timer,
+    )  # fmt: skip
+    assert (chosen.triton_decode, chosen.triton_prefill) == (False, True)
+    assert set(chosen.failures) == {"decode"}
+    assert "C compiler" in chosen.failures["decode"]
+    assert len(timed) == 2  # prefill's kernel and reference only
+    # The chosen backend decodes exactly as the reference does.
+    table = Tables(gen, 4, width=17)
+    md = build_metadata(4, [(table(n), n) for n in (5, 9)], [], DEVICE)
+    q = torch.randn(2, 4, 16, generator=gen).to(DEVICE)
+    kv = torch.randn(2, 2, 16, generator=gen).to(DEVICE)
+    reference = TorchPagedAttention(4, 2, 16, 0.25)
+    expected = reference.forward(q, kv, kv, k_cache.clone(), v_cache.clone(), md)
+    assert torch.equal(chosen.forward(q, kv, kv, k_cache.clone(), v_cache.clone(), md), expected)

@@ -31,7 +31,14 @@ from fleetllm.api.catalog import (
 )
 from fleetllm.api.deployment import LLMDeployment, LLMDeploymentSpec
 from fleetllm.api.manifests import load_llmdeployments
-from fleetllm.images import BUILT_IMAGES, UPSTREAM_IMAGES, VLLM_IMAGE, built_image
+from fleetllm.images import (
+    BUILT_IMAGES,
+    MODEL_PULL_IMAGE,
+    MODEL_PULL_VERSION,
+    UPSTREAM_IMAGES,
+    VLLM_IMAGE,
+    built_image,
+)
 from fleetllm.operator.render import render
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.plan import plan
@@ -49,7 +56,7 @@ GPU_LABELS = {
 }
 CONFIGS = [
     OperatorConfig(),
-    *(OperatorConfig(gpu_profile=p) for p in GPU_PROFILES if p != "none"),
+    *(OperatorConfig(gpu_profile=p) for p in GPU_PROFILES if p != "auto"),
     OperatorConfig(model_cache=ModelCache("model-cache")),
     OperatorConfig(gpu_profile="gke", model_cache=ModelCache("model-cache", read_only=True)),
 ]
@@ -131,10 +138,12 @@ def test_every_image_the_renderer_and_the_manifests_use_is_built_here_or_the_pin
     }
     built = {image.reference for image in BUILT_IMAGES}
     assert used <= built | set(UPSTREAM_IMAGES), used - built
-    # Each built image is used, and the version constant tags every one of them.
+    # Each built image is used; the version constant tags every one of them but the model
+    # pull's, which has a version of its own (an operator upgrade leaves engine pods alone).
     assert built <= used
-    for reference in built:
+    for reference in built - {MODEL_PULL_IMAGE}:
         assert reference.split(":")[1].startswith(__version__)
+    assert MODEL_PULL_IMAGE.endswith(f":{MODEL_PULL_VERSION}")
 
 
 def test_examples_do_not_pin_images_of_their_own() -> None:
@@ -177,7 +186,13 @@ def test_dockerfiles_are_multi_stage_pinned_non_root_and_lint_clean(image: Any) 
         assert re.search(r"@sha256:[0-9a-f]{64}$|:\d+\.\d+\.\d+[-.\w]*$", base), base
     final = stage_text = "\n".join(stages[-1])
     assert "COPY --from=build" in stage_text
-    # Nothing is installed in the final stage: no package manager, no compiler, no pip.
+    # Nothing is installed in the final stage: no package manager, no compiler, no pip; but
+    # the CUDA engine's, where Triton builds each kernel's launcher with gcc at its first
+    # launch (without it every kernel fails and the engine runs on torch attention).
+    if image.dockerfile == "docker/engine-cuda.Dockerfile":
+        assert re.search(r"apt-get install .*\bgcc\b.*\blibc6-dev\b", final)
+        assert "rm -rf /var/lib/apt/lists/*" in final
+        final = re.sub(r"RUN apt-get update .*?/var/lib/apt/lists/\*", "", final)
     assert not re.search(r"apt-get|apk |pip install|gcc|build-essential|make ", final)
     # A named, non-root user, and the image runs as it.
     useradd = re.search(r"useradd .*--uid (\d+) .* (\w+)$", final, re.MULTILINE)
@@ -269,15 +284,65 @@ def test_no_gpu_label_selector_unless_the_profile_asks_for_it(config: OperatorCo
     for cr, pod in _pods(config):
         profile = cr.spec.gpu.node_selector_profile or config.gpu_profile
         selected = set(pod["nodeSelector"]) & GPU_LABELS
-        affinity = json.dumps(pod.get("affinity", {}))
-        assert not any(label in affinity for label in GPU_LABELS)
         gpu = GPU_TYPES[cr.spec.gpu.type]
-        if profile == "none" or not gpu.is_gpu:
+        affinity = pod.get("affinity", {})
+        if profile == "auto" and gpu.is_gpu and cr.spec.pod.affinity is None:
+            # auto: only NotIn, which a node without the label matches (autoscalers too).
+            (term,) = affinity.pop("nodeAffinity")[
+                "requiredDuringSchedulingIgnoredDuringExecution"
+            ]["nodeSelectorTerms"]
+            assert {e["operator"] for e in term["matchExpressions"]} == {"NotIn"}
+            assert gpu.product_label not in term["matchExpressions"][0]["values"]
+        assert not any(label in json.dumps(affinity) for label in GPU_LABELS)
+        if profile in ("none", "auto") or not gpu.is_gpu:
             assert selected == set(), cr.metadata.name
         else:
             expected = gpu.node_labels(profile)
             assert expected
             assert {k: pod["nodeSelector"][k] for k in selected} == expected
+
+
+def _schedulable(pod: dict[str, Any], node_labels: dict[str, str]) -> bool:
+    """Whether a node with these labels passes the pod's required node affinity (NotIn and In,
+    as the scheduler evaluates them) and its node selector."""
+    if any(node_labels.get(k) != v for k, v in pod["nodeSelector"].items() if k in GPU_LABELS):
+        return False
+    required = pod.get("affinity", {}).get("nodeAffinity", {})
+    terms = required.get("requiredDuringSchedulingIgnoredDuringExecution", {})
+    for term in terms.get("nodeSelectorTerms", [{"matchExpressions": []}]):
+        ok = True
+        for e in term["matchExpressions"]:
+            value = node_labels.get(e["key"])
+            if e["operator"] == "NotIn":
+                ok &= value is None or value not in e["values"]
+            else:
+                ok &= value in e["values"]
+        if ok:
+            return True
+    return False
+
+
+def test_the_auto_profile_avoids_nodes_labelled_as_another_gpu() -> None:
+    config = OperatorConfig()
+    assert config.gpu_profile == "auto"
+    pods = {cr.metadata.name: (cr, pod) for cr, pod in _pods(config)}
+    checked = 0
+    for cr, pod in pods.values():
+        gpu = GPU_TYPES[cr.spec.gpu.type]
+        if not gpu.is_gpu or cr.spec.gpu.node_selector_profile:
+            continue
+        assert _schedulable(pod, {})  # unlabelled nodes, an autoscaler's template
+        for other in GPU_TYPES.values():
+            if not other.is_gpu:
+                continue
+            labels = {GPU_PRODUCT_LABEL: other.product_label} if other.product_label else {}
+            if other.gke_accelerator:
+                labels[GKE_ACCELERATOR_LABEL] = other.gke_accelerator
+            fits = _schedulable(pod, labels)
+            same = other.product_label == gpu.product_label
+            assert fits == same, (cr.metadata.name, other.name)
+        checked += 1
+    assert checked >= 3
 
 
 def test_profiles_use_each_clusters_own_labels() -> None:

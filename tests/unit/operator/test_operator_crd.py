@@ -105,7 +105,7 @@ def test_the_crd_has_status_scale_and_printer_columns() -> None:
     gpu = spec["properties"]["gpu"]["properties"]
     assert gpu["type"]["enum"] == list(GPU_TYPES)
     assert {"L40S", "T4", "H100-NVL", "GH200", "B200", "H200", "cpu"} <= set(GPU_TYPES)
-    assert gpu["nodeSelectorProfile"]["enum"] == ["none", "gfd", "gke", "karpenter"]
+    assert gpu["nodeSelectorProfile"]["enum"] == ["none", "gfd", "gke", "karpenter", "auto"]
     assert spec["properties"]["engine"]["properties"]["backend"]["enum"] == ["builtin", "vllm"]
     assert "description" in spec["properties"]["maxModelLen"]
 

@@ -1,0 +1,151 @@
+"""The install pages (deployment.md's GPU walkthrough, upgrade.md, troubleshooting.md): every
+shell block has a runner; the ones that need no cluster run here, as written, and do what the
+page says; the cluster ones are the e2e tier's (tests/e2e/test_cluster_gpu_walkthrough.py reads
+them from the pages). Also what the pages promise of the manifests: CRDs first in
+manifests/base, CRD upgrades that take over Helm's fields, and an L4 example that fits the
+g2-standard-4 node the walkthrough names."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from docblocks import ROOT, blocks, run_by
+
+from fleetllm.api.manifests import load_llmdeployments
+from fleetllm.operator.render import render
+from fleetllm.planner.plan import plan
+
+PAGES = ("deployment.md", "upgrade.md", "troubleshooting.md")
+HERE = "tests/unit/test_docs_install.py"
+E2E = "tests/e2e"
+# What the commands reach, relative to the repository root (the run happens in a scratch
+# folder, so that the files they write stay out of the checkout).
+LINKED = (".venv", "charts", "crds", "docker", "manifests", "scripts")
+# GKE's allocatable on a g2-standard-4 (4 vCPU, 16 GB): 3920m CPU and about 12.5 GiB, less
+# its daemons (logging, the GPU device plugin, kube-proxy: about 0.5 CPU and 0.5 GiB).
+G2_STANDARD_4 = {"cpu": 3.4, "memory_gib": 12.0}
+
+
+def _documents(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _images(objects: list[dict]) -> set[str]:
+    found = set()
+    for obj in objects:
+        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+        for container in [*pod.get("initContainers", []), *pod.get("containers", [])]:
+            found.add(container["image"])
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_shell_block_of_the_install_pages_has_a_runner(page: str) -> None:
+    shell = [b for b in blocks(page) if b.lang in ("bash", "shell", "sh")]
+    assert shell, page
+    for block in shell:
+        assert block.note in (f"run by: {HERE}", f"run by: {E2E}"), (page, block.body)
+    e2e = (ROOT / E2E / "test_cluster_gpu_walkthrough.py").read_text()
+    if run_by(page, E2E):
+        assert f'"{page}"' in e2e, page
+
+
+@pytest.fixture()
+def scratch(tmp_path: Path) -> Path:
+    for name in LINKED:
+        (tmp_path / name).symlink_to(ROOT / name)
+    return tmp_path
+
+
+def _run_page(page: str, scratch: Path) -> None:
+    script = "\n".join(["set -euo pipefail", *(b.body for b in run_by(page, HERE))])
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    result = subprocess.run(
+        ["bash", "-c", script], cwd=scratch, env=env, capture_output=True, text=True,
+        check=False, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (scratch / "stdout.txt").write_text(result.stdout)
+
+
+def test_the_walkthroughs_offline_checks_run_and_use_the_users_registry(scratch: Path) -> None:
+    _run_page("deployment.md", scratch)
+    registry = "us-docker.pkg.dev/my-project/fleetllm"
+    out = (scratch / "stdout.txt").read_text()
+    tags = [line.split("--tag ")[1].split()[0] for line in out.splitlines() if "--tag " in line]
+    assert len(tags) == 4 and all(t.startswith(f"{registry}/") for t in tags)
+    assert "llama-3b-l4" in out and "L4" in out  # the plan
+    chart = _images(_documents(scratch / "fleetllm.yaml"))
+    engine = _images(_documents(scratch / "llama-3b-l4.yaml"))
+    assert chart and engine
+    assert {i for i in chart | engine if not i.startswith(f"{registry}/")} == set()
+    # What the build pushes is what the chart and the operator pull.
+    assert engine <= set(tags) and chart <= set(tags)
+
+
+def test_the_upgrade_pages_offline_diff_leaves_the_engine_pods_alone(scratch: Path) -> None:
+    _run_page("upgrade.md", scratch)
+    before = _documents(scratch / "before.yaml")
+    after = _documents(scratch / "after.yaml")
+    # Only the control plane's image moves: the operator's flags (the engine images among
+    # them) are the same, so it renders the same engine pods.
+    assert {i.rsplit(":", 1)[1] for i in _images(before)} == {"0.0.9"}
+
+    def operator_args(objects: list[dict]) -> list[str]:
+        (deployment,) = [
+            o
+            for o in objects
+            if o["kind"] == "Deployment" and o["metadata"]["name"] == "fleetllm-operator"
+        ]
+        return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert operator_args(before) == operator_args(after)
+    assert _documents(scratch / "engine-pods.yaml")
+
+
+def test_crd_upgrades_take_over_helms_fields_and_nothing_advises_reuse_values() -> None:
+    for page in ("upgrade.md", "helm.md", "deployment.md"):
+        for block in blocks(page):
+            for command in block.commands:
+                assert "--reuse-values" not in command, (page, command)
+                if "kubectl apply" in command and "crds" in command:
+                    assert "--server-side --force-conflicts" in command, (page, command)
+
+
+def test_manifests_base_puts_the_crds_before_every_object_of_their_kinds() -> None:
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "kubectl"), "kustomize", str(ROOT / "manifests/base")],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    objects = [d for d in yaml.safe_load_all(result.stdout) if d]
+    kinds = [o["kind"] for o in objects]
+    crds = [i for i, kind in enumerate(kinds) if kind == "CustomResourceDefinition"]
+    assert len(crds) == 3
+    # Only the Namespace may come before the CRDs; custom objects only after them.
+    assert set(kinds[: crds[0]]) <= {"Namespace"}
+    assert crds == list(range(crds[0], crds[0] + len(crds)))
+    defined = {
+        (o["spec"]["group"], o["spec"]["names"]["kind"])
+        for o in objects
+        if o["kind"] == "CustomResourceDefinition"
+    }
+    custom = [
+        i for i, o in enumerate(objects) if (o["apiVersion"].split("/")[0], o["kind"]) in defined
+    ]
+    assert custom and min(custom) > max(crds)
+
+
+def test_the_l4_example_fits_a_g2_standard_4() -> None:
+    (cr,) = load_llmdeployments(ROOT / "manifests" / "examples" / "llama-3.2-3b-l4-gke.yaml")
+    objects = render(cr, plan(cr.spec))
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    requests = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
+    assert float(requests["cpu"]) <= G2_STANDARD_4["cpu"]
+    memory = requests["memory"]
+    assert memory.endswith("Gi") and float(memory[:-2]) <= G2_STANDARD_4["memory_gib"]
+    assert requests["nvidia.com/gpu"] == "1"

@@ -204,3 +204,13 @@ def groupings(expression: str) -> list[tuple[set[str], set[str]]]:
 
     promql_parser.walk(_parsed(expression), visit)
     return found
+
+
+def pod_images(objects: list[dict[str, Any]]) -> set[str]:
+    """Every container image (init containers too) of the objects' pod templates."""
+    found = set()
+    for obj in objects:
+        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+        for container in [*pod.get("initContainers", []), *pod.get("containers", [])]:
+            found.add(container["image"])
+    return found

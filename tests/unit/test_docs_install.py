@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from docblocks import ROOT, blocks, run_by
+from helmchart import pod_images
 
 from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.operator.render import render
@@ -33,15 +34,6 @@ G2_STANDARD_4 = {"cpu": 3.4, "memory_gib": 12.0}
 
 def _documents(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
-
-
-def _images(objects: list[dict]) -> set[str]:
-    found = set()
-    for obj in objects:
-        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
-        for container in [*pod.get("initContainers", []), *pod.get("containers", [])]:
-            found.add(container["image"])
-    return found
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -80,8 +72,8 @@ def test_the_walkthroughs_offline_checks_run_and_use_the_users_registry(scratch:
     tags = [line.split("--tag ")[1].split()[0] for line in out.splitlines() if "--tag " in line]
     assert len(tags) == 4 and all(t.startswith(f"{registry}/") for t in tags)
     assert "llama-3b-l4" in out and "L4" in out  # the plan
-    chart = _images(_documents(scratch / "fleetllm.yaml"))
-    engine = _images(_documents(scratch / "llama-3b-l4.yaml"))
+    chart = pod_images(_documents(scratch / "fleetllm.yaml"))
+    engine = pod_images(_documents(scratch / "llama-3b-l4.yaml"))
     assert chart and engine
     assert {i for i in chart | engine if not i.startswith(f"{registry}/")} == set()
     # What the build pushes is what the chart and the operator pull.
@@ -94,7 +86,7 @@ def test_the_upgrade_pages_offline_diff_leaves_the_engine_pods_alone(scratch: Pa
     after = _documents(scratch / "after.yaml")
     # Only the control plane's image moves: the operator's flags (the engine images among
     # them) are the same, so it renders the same engine pods.
-    assert {i.rsplit(":", 1)[1] for i in _images(before)} == {"0.0.9"}
+    assert {i.rsplit(":", 1)[1] for i in pod_images(before)} == {"0.0.9"}
 
     def operator_args(objects: list[dict]) -> list[str]:
         (deployment,) = [

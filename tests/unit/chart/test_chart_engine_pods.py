@@ -96,23 +96,6 @@ def test_the_default_settings_change_nothing() -> None:
 
 
 @pytest.mark.parametrize(
-    ("setting", "message"),
-    [
-        ("engine.pod.rollout.maxSurge=0", "rollout"),
-        ("engine.pod.shmSize=lots", "shmSize"),
-        ("engine.pod.runtimeClassName=NVIDIA", "runtimeClassName"),
-        ("engine.pod.probes.timeoutSeconds=0", "timeoutSeconds"),
-        ("engine.pod.extraVolumes[0].name=cache", "extraVolumes"),
-        ("engine.pod.unknown=1", "unknown"),
-    ],
-)
-def test_bad_engine_pod_values_are_refused_by_the_chart(setting: str, message: str) -> None:
-    result = run(tool("helm"), "template", "x", str(CHART), "--set", setting, check=False)
-    assert result.returncode != 0
-    assert message in result.stderr, result.stderr
-
-
-@pytest.mark.parametrize(
     ("settings", "message"),
     [
         ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "rollout.maxSurge 0"),

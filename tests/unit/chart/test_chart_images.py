@@ -14,7 +14,7 @@ import pytest
 import yaml
 from chart_operator import operator_config
 from examples import CLUSTER_EXAMPLES
-from helmchart import CHART, by_kind, render, run, tool
+from helmchart import by_kind, pod_images, render
 
 from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.images import (
@@ -51,15 +51,6 @@ def _children(config: OperatorConfig) -> list[dict[str, Any]]:
     return children
 
 
-def _images(objects: list[dict[str, Any]]) -> set[str]:
-    found = set()
-    for obj in objects:
-        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
-        for container in [*pod.get("initContainers", []), *pod.get("containers", [])]:
-            found.add(container["image"])
-    return found
-
-
 def _pod_specs(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [d["spec"]["template"]["spec"] for d in by_kind(objects, "Deployment")]
 
@@ -87,7 +78,7 @@ def test_a_mirror_moves_every_image_of_the_chart_and_of_every_engine_pod() -> No
     assert len(by_kind(children, "Deployment")) == sum(
         len(load_llmdeployments(p)) for p in EXAMPLES
     )
-    images = _images(objects) | _images(children)
+    images = pod_images(objects) | pod_images(children)
     assert len(images) >= 5  # control plane, cpu, cuda, vLLM, model pull
     assert {image for image in images if not image.startswith(f"{MIRROR}/")} == set()
     assert f"{MIRROR}/vllm/vllm-openai:v{VLLM_VERSION}" in images
@@ -112,35 +103,20 @@ def test_each_image_takes_its_own_repository_tag_and_digest() -> None:
     )
     assert config.images.model_pull == f"{MODEL_PULL_IMAGE}@{DIGEST}"
     assert config.images.engine == DEFAULT_ENGINE_IMAGES.engine
-    assert f"{CONTROL_PLANE_IMAGE}@{DIGEST}" in _images(objects)
-    assert config.images.engine_cuda in _images(_children(config))
-
-
-@pytest.mark.parametrize(
-    ("setting", "message"),
-    [
-        ("global.imageRegistry=https://mirror", "imageRegistry"),
-        ("engine.images.vllm.digest=sha256:short", "digest"),
-        ("engine.images.cpu.tag=bad tag", "tag"),
-        ("image.registry=Mirror/", "registry"),
-    ],
-)
-def test_bad_image_values_are_refused(setting: str, message: str) -> None:
-    result = run(tool("helm"), "template", "x", str(CHART), "--set", setting, check=False)
-    assert result.returncode != 0
-    assert message in result.stderr, result.stderr
+    assert f"{CONTROL_PLANE_IMAGE}@{DIGEST}" in pod_images(objects)
+    assert config.images.engine_cuda in pod_images(_children(config))
 
 
 def test_an_operator_only_upgrade_leaves_every_engine_pod_as_it_is() -> None:
     before = render(None, "image.tag=0.1.0")
     after = render(None, "image.tag=0.2.0")
-    assert _images(before) != _images(after)  # the operator and the router do move
+    assert pod_images(before) != pod_images(after)  # the operator and the router do move
     children_before = _children(_operator_config(before))
     children_after = _children(_operator_config(after))
     assert children_before == children_after
     # The init container has a version of its own: no child names the control plane image.
-    assert not {i for i in _images(children_after) if "control-plane" in i}
-    assert MODEL_PULL_IMAGE in _images(children_after)
+    assert not {i for i in pod_images(children_after) if "control-plane" in i}
+    assert MODEL_PULL_IMAGE in pod_images(children_after)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -168,7 +144,7 @@ def test_fleetllm_render_takes_the_registry_and_pull_secrets() -> None:
     )
     assert result.returncode == 0, result.stderr
     objects = [o for o in yaml.safe_load_all(result.stdout) if o]
-    assert _images(objects) == {
+    assert pod_images(objects) == {
         f"{MIRROR}/fleetllm/model-pull:1",
         engine_images(MIRROR).vllm,
     }

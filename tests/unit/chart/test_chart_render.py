@@ -166,6 +166,16 @@ def test_the_schemas_choices_are_the_codes() -> None:
         ("httpRoute.enabled=true", "parentRefs"),
         ("router.apiKeys.create=true", "keys"),
         ("networkPolicy.enabled=true", "networkPolicy.enabled needs watchNamespaces"),
+        ("engine.pod.rollout.maxSurge=0", "rollout"),
+        ("engine.pod.shmSize=lots", "shmSize"),
+        ("engine.pod.runtimeClassName=NVIDIA", "runtimeClassName"),
+        ("engine.pod.probes.timeoutSeconds=0", "timeoutSeconds"),
+        ("engine.pod.extraVolumes[0].name=cache", "extraVolumes"),
+        ("engine.pod.unknown=1", "unknown"),
+        ("global.imageRegistry=https://mirror", "imageRegistry"),
+        ("engine.images.vllm.digest=sha256:short", "digest"),
+        ("engine.images.cpu.tag=bad tag", "tag"),
+        ("image.registry=Mirror/", "registry"),
     ],
 )
 def test_bad_values_are_refused_with_a_clear_error(setting: str, message: str) -> None:

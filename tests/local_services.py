@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import signal
 import socket
 import subprocess
@@ -41,3 +42,8 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def git_blob_sha1(data: bytes) -> str:
+    """The hub's `blobId` of a file kept in git (not LFS): git's hash of the blob."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from local_services import serve_http
+from local_services import git_blob_sha1, serve_http
 
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.engine import LLMEngine
@@ -38,10 +38,6 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 FAST = Settings(timeout=5.0, attempts=4, backoff=0.05, progress_every=0.0)
 # Big files go through the "CDN" (the hub stores them with git LFS).
 LFS_MIN_BYTES = 1024
-
-
-def _git_blob_sha1(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
 
 
 @dataclass
@@ -65,7 +61,7 @@ class Hub:
         entry: dict[str, Any] = {
             "rfilename": name,
             "size": len(data),
-            "blobId": _git_blob_sha1(data),
+            "blobId": git_blob_sha1(data),
         }
         if len(data) >= LFS_MIN_BYTES:
             sha = hashlib.sha256(data).hexdigest()

@@ -23,7 +23,7 @@ from typing import Any
 
 import openai
 import psutil
-from local_services import free_port, serve_http
+from local_services import free_port, git_blob_sha1, serve_http
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -237,7 +237,10 @@ def fake_hub(repo: str, folder: Path) -> Iterator[str]:
             path = urllib.parse.urlsplit(self.path).path
             body: bytes | None = None
             if path.startswith(f"/api/models/{repo}/revision/"):
-                siblings = [{"rfilename": n, "size": len(d)} for n, d in files.items()]
+                siblings = [
+                    {"rfilename": n, "size": len(d), "blobId": git_blob_sha1(d)}
+                    for n, d in files.items()
+                ]
                 body = json.dumps({"id": repo, "sha": commit, "siblings": siblings}).encode()
             elif path.startswith(f"/{repo}/resolve/{commit}/"):
                 body = files.get(urllib.parse.unquote(path.rsplit("/", 1)[1]))

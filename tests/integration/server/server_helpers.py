@@ -121,3 +121,21 @@ def parse_sse(raw: str) -> list[Any]:
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     assert events and events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
     return events[:-1]
+
+
+def assert_sound(server: ServerProcess) -> None:
+    """Alive, healthy, idle with no block held, and answering a normal request."""
+    assert server.proc.poll() is None, server.log_text()[-4000:]
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+    wait_until(
+        lambda: (
+            server.metric("vllm:num_requests_running") == 0
+            and server.metric("vllm:num_requests_waiting") == 0
+            and server.metric("vllm:kv_cache_usage_perc") == 0.0
+        ),
+        what="an idle engine with every block free",
+    )
+    body = {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 3, "ignore_eos": True}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3

@@ -21,7 +21,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
-from server_helpers import SERVED_NAME, ServerProcess, tiny_server_args, wait_until
+from server_helpers import SERVED_NAME, ServerProcess, assert_sound, tiny_server_args
 
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.server import ServerSettings, create_app
@@ -48,24 +48,6 @@ def fuzz_server(launch: Callable[..., ServerProcess], tiny_chat_dir: Path) -> Se
     args += ["--max-model-len", str(FUZZ_MAX_MODEL_LEN)]
     args += ["--max-request-choices", str(FUZZ_MAX_CHOICES)]
     return launch(args)
-
-
-def assert_sound(server: ServerProcess) -> None:
-    """Alive, healthy, idle with no block held, and answering a normal request."""
-    assert server.proc.poll() is None, server.log_text()[-4000:]
-    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
-    wait_until(
-        lambda: (
-            server.metric("vllm:num_requests_running") == 0
-            and server.metric("vllm:num_requests_waiting") == 0
-            and server.metric("vllm:kv_cache_usage_perc") == 0.0
-        ),
-        what="an idle engine with every block free",
-    )
-    body = {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 3, "ignore_eos": True}
-    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] == 3
 
 
 # -- schemathesis, from the server's OpenAPI document ------------------------------------------

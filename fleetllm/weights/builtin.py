@@ -15,6 +15,7 @@ from fleetllm.weights.fetch import PullError
 
 ENDPOINT = "builtin"
 """The marker's endpoint of a conversion: the installed package, not a remote store."""
+TMP_PREFIX = ".fleetllm-convert-"
 
 
 def identity(name: str) -> str:
@@ -37,13 +38,16 @@ def identity(name: str) -> str:
 
 
 def convert(name: str, folder: Path) -> dict[str, int]:
-    """Write the Hugging Face form of built-in model `name` into `folder`; returns file name ->
-    size. Converted in a temporary folder beside the files first, so a cut conversion leaves
-    no half-written file under a name a loader reads."""
+    """Write the Hugging Face form of built-in model `name` into `folder` (whose lock the
+    caller holds); returns file name -> size. Converted in a temporary folder beside the files
+    first, so a cut conversion leaves no half-written file under a name a loader reads."""
     from fleetllm.engine.gguf_convert import GGUFConversionError, convert_gguf
     from fleetllm.engine.model_files import builtin_gguf
 
-    tmp = Path(tempfile.mkdtemp(prefix=".fleetllm-convert-", dir=folder))
+    # Under the lock, a temporary folder left there is a killed pod's.
+    for stale in folder.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=folder))
     try:
         convert_gguf(builtin_gguf(name), tmp, progress=False)
         files = {}

@@ -88,7 +88,9 @@ def test_a_conversion_of_another_build_is_redone_and_a_read_only_cache_refused(
     (folder / MARKER).write_text(json.dumps({**marker, "commit": "converter-0/old"}))
     code, lines, stderr = _pull(folder, "--read-only")
     assert code == 1 and "is read-only and does not hold builtin://smollm2-135m" in stderr
+    (folder / ".fleetllm-convert-killed").mkdir()  # a pod killed while converting
     code, lines, stderr = _pull(folder)
     assert code == 0, stderr
     assert [line["msg"] for line in lines] == ["converting", "pull complete"]
     assert json.loads((folder / MARKER).read_text()) == marker
+    assert not list(folder.glob(".fleetllm-convert-*"))

@@ -7,6 +7,5 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_EXAMPLES = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))
-CLUSTER_EXAMPLES = ALL_EXAMPLES
 VLLM_BUILTIN = ROOT / "manifests" / "examples" / "smollm2-cpu-vllm.yaml"
 """The built-in model served by vLLM's CPU image."""

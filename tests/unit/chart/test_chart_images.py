@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from chart_operator import operator_config
-from examples import CLUSTER_EXAMPLES
+from examples import ALL_EXAMPLES
 from helmchart import CHART, by_kind, render, run, tool
 
 from fleetllm.api.manifests import load_llmdeployments
@@ -30,7 +30,7 @@ from fleetllm.planner.plan import plan
 from fleetllm.planner.settings import OperatorConfig
 
 ROOT = Path(__file__).resolve().parents[3]
-EXAMPLES = CLUSTER_EXAMPLES
+EXAMPLES = ALL_EXAMPLES
 MIRROR = "mirror.example.com:5000/proxy"
 DIGEST = "sha256:" + "ab" * 32
 

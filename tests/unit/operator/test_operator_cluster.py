@@ -19,7 +19,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from examples import CLUSTER_EXAMPLES
+from examples import ALL_EXAMPLES
 
 from fleetllm.api.catalog import (
     GKE_ACCELERATOR_LABEL,
@@ -48,7 +48,7 @@ from fleetllm.planner.vllm_args import vllm_flags
 from fleetllm.version import __version__
 
 ROOT = Path(__file__).resolve().parents[3]
-EXAMPLES = CLUSTER_EXAMPLES
+EXAMPLES = ALL_EXAMPLES
 GPU_LABELS = {
     GPU_PRODUCT_LABEL,
     GKE_ACCELERATOR_LABEL,

@@ -141,7 +141,7 @@ def _scratch_volumes(plan: Plan, config: OperatorConfig) -> dict[str, int]:
     """emptyDir volumes on the node's disk -> size limit in bytes (the pod's
     ephemeral-storage request is their sum)."""
     sizes = {"cache": 2 * GIB, "tmp": GIB}
-    if plan.source.downloaded and config.model_cache is None:
+    if plan.fills_cache and config.model_cache is None:
         sizes["models"] = _model_cache_bytes(plan)
     return sizes
 
@@ -203,7 +203,7 @@ def _volumes(
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
     ]
-    if plan.source.downloaded:
+    if plan.fills_cache:
         if config.model_cache is None:
             volumes.append(
                 {"name": "models", "emptyDir": {"sizeLimit": _gib_quantity(scratch["models"])}}
@@ -239,11 +239,13 @@ _CONTAINER_SECURITY = {
 
 def _pull_container(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[str, Any]:
     """The init container that fills the model cache (once, when the cache is a shared
-    volume that already holds the model)."""
+    volume that already holds the model). A built-in model for vLLM is converted by fleetllm's
+    engine image, the one that ships the model's GGUF file and the converter."""
     read_only = config.model_cache is not None and config.model_cache.read_only
+    builtin = plan.source.scheme == "builtin"
     return {
         "name": "model-pull",
-        "image": config.images.model_pull,
+        "image": config.images.engine if builtin else config.images.model_pull,
         "command": ["fleetllm", "model", "pull"],
         "args": [cr.spec.model.source, plan.model_path, *(["--read-only"] if read_only else [])],
         # Credentials (HF_TOKEN, AWS_*) come from the same variables the engine gets, and only
@@ -343,7 +345,7 @@ def _pod_spec(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[str
         "containers": [container],
         "volumes": volumes,
     }
-    if plan.source.downloaded:
+    if plan.fills_cache:
         pod_spec["initContainers"] = [_pull_container(cr, plan, config)]
     if tolerations:
         pod_spec["tolerations"] = tolerations

@@ -13,7 +13,7 @@ from fleetllm.api.quantity import parse_quantity
 from fleetllm.api.source import ModelSource
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.parallelism import MAX_DEVICES_PER_REPLICA
-from fleetllm.planner.placement import LocalPlacement, Placement
+from fleetllm.planner.placement import LocalPlacement, Placement, fills_cache
 from fleetllm.planner.settings import OperatorConfig
 from fleetllm.planner.vllm_cpu import check_vllm_cpu
 
@@ -77,17 +77,12 @@ def check_placement(spec: LLMDeploymentSpec, source: ModelSource, placement: Pla
 
 
 def check_source(spec: LLMDeploymentSpec, source: ModelSource, placement: Placement) -> None:
-    """A built-in model ships in fleetllm's engine image as a GGUF file, which vLLM cannot
-    read; only `fleetllm up` has its converted folder to hand vLLM."""
+    """A built-in model ships as a GGUF file, which vLLM cannot read: vLLM loads its Hugging
+    Face folder, which a pod's init container converts into the model cache, and which
+    `fleetllm up` converts into its cache when the model's package is installed."""
     if source.scheme != "builtin" or spec.engine.backend == "builtin":
         return
-    if not isinstance(placement, LocalPlacement):
-        raise PlanError(
-            "UnsupportedSource",
-            f"{spec.model.source} ships only in fleetllm's engine image; vLLM cannot load it "
-            "in a cluster. Use engine.backend: builtin, or an hf://, s3:// or pvc:// source",
-        )
-    if source.location not in placement.converted:
+    if isinstance(placement, LocalPlacement) and source.location not in placement.converted:
         raise PlanError(
             "UnsupportedSource",
             f"{spec.model.source}: no converted folder of it on this machine for vLLM; "
@@ -97,14 +92,14 @@ def check_source(spec: LLMDeploymentSpec, source: ModelSource, placement: Placem
 
 def claims_to_check(spec: LLMDeploymentSpec, config: OperatorConfig) -> list[str]:
     """The PersistentVolumeClaims whose access modes decide whether the replicas can share
-    them: a pvc:// source's, and the model cache's when weights are downloaded."""
-    return _claims(ModelSource.parse(spec.model.source), config)
+    them: a pvc:// source's, and the model cache's when an init container fills it."""
+    return _claims(ModelSource.parse(spec.model.source), spec.engine.backend, config)
 
 
-def _claims(source: ModelSource, config: OperatorConfig) -> list[str]:
+def _claims(source: ModelSource, backend: str, config: OperatorConfig) -> list[str]:
     if source.scheme == "pvc":
         return [source.location]
-    if source.downloaded and config.model_cache is not None:
+    if fills_cache(source, backend) and config.model_cache is not None:
         return [config.model_cache.claim_name]
     return []
 
@@ -123,7 +118,7 @@ def check_claims(
     """Refuse claims the replicas cannot share. `access_modes`: claim -> spec.accessModes of
     the claims that exist (a missing one leaves its pods Pending, which they report)."""
     most = _most_replicas(spec)
-    for claim in _claims(source, config):
+    for claim in _claims(source, spec.engine.backend, config):
         modes = access_modes.get(claim)
         if modes is None:
             continue

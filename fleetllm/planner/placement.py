@@ -17,14 +17,23 @@ MODEL_CACHE_MOUNT = "/var/lib/fleetllm/models"
 """Where hf:// and s3:// weights are pulled to in a pod (the model cache volume)."""
 
 
+def fills_cache(source: ModelSource, backend: str) -> bool:
+    """Whether a pod's init container writes the model into the model cache volume before the
+    engine starts: hf:// and s3:// weights, and a built-in model for vLLM, which cannot read
+    its GGUF file (fleetllm's engine image, which ships the model, converts it into a Hugging
+    Face folder there)."""
+    return source.downloaded or (source.scheme == "builtin" and backend == "vllm")
+
+
 @dataclass(frozen=True)
 class ClusterPlacement:
     """A pod: the operator mounts a pvc:// claim at MODEL_MOUNT and pulls hf:// and s3://
-    weights into the model cache volume at MODEL_CACHE_MOUNT."""
+    weights (and a built-in model converted for vLLM) into the model cache volume at
+    MODEL_CACHE_MOUNT."""
 
     def model_path(self, source: ModelSource, backend: str = "builtin") -> str:
         """What the engine loads: a built-in model's name, or a folder in the pod."""
-        if source.scheme in ("builtin", "file"):
+        if source.scheme in ("builtin", "file") and not fills_cache(source, backend):
             return source.location
         if source.scheme == "pvc":
             return f"{MODEL_MOUNT}/{source.path}" if source.path else MODEL_MOUNT

@@ -22,7 +22,7 @@ from fleetllm.planner.errors import PlanError
 from fleetllm.planner.extra_args import check_extra_args
 from fleetllm.planner.memory import MemoryEstimate, estimate, gib, weight_bytes
 from fleetllm.planner.parallelism import check_builtin_parallelism, check_parallelism
-from fleetllm.planner.placement import IN_CLUSTER, LocalPlacement, Placement
+from fleetllm.planner.placement import IN_CLUSTER, LocalPlacement, Placement, fills_cache
 from fleetllm.planner.resolve import (
     memory_bytes,
     node_selector,
@@ -60,6 +60,11 @@ class Plan:
     @property
     def devices(self) -> int:
         return self.status.gpu_count
+
+    @property
+    def fills_cache(self) -> bool:
+        """Whether a pod's init container fills the model cache (`placement.fills_cache`)."""
+        return fills_cache(self.source, self.status.backend)
 
 
 def plan(

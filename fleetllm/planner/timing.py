@@ -21,7 +21,7 @@ def startup_seconds(plan: Plan) -> int:
 
 
 def download_seconds(plan: Plan) -> int:
-    """How long the pull init container may take (0 when nothing is downloaded)."""
-    if not plan.source.downloaded:
+    """How long the pull init container may take (0 when there is none)."""
+    if not plan.fills_cache:
         return 0
     return 120 + DOWNLOAD_SECONDS_PER_GIB * math.ceil(plan.total_weights_bytes / GIB)

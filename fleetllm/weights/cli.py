@@ -20,8 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Fetch the config, tokenizer and safetensors files of SOURCE into DIR, "
         "resuming cut transfers and verifying sizes and checksums; a no-op when DIR already "
         "holds a complete pull of SOURCE. hf://ORG/NAME[@REVISION] (HF_ENDPOINT, HF_TOKEN), "
-        "s3://BUCKET/PREFIX (AWS_* credentials, AWS_ENDPOINT_URL), pvc:// and builtin:// "
-        "(nothing to fetch). Progress is logged as JSON lines on stderr.",
+        "s3://BUCKET/PREFIX (AWS_* credentials, AWS_ENDPOINT_URL), builtin://NAME (converted "
+        "from its GGUF file into a Hugging Face folder, where the model's package is installed) "
+        "and pvc:// (nothing to fetch). Progress is logged as JSON lines on stderr.",
     )
     p.add_argument("source", help="hf://, s3://, pvc:// or builtin:// source")
     p.add_argument("dir", help="the model folder to fill")

@@ -1,7 +1,8 @@
 """`fleetllm model pull SOURCE DIR`: fetch a model's files into a folder the engines load.
 
-Sources: `hf://org/name[@revision]` (`hub`) and `s3://bucket/prefix` (`s3`); `pvc://...` and
-`builtin://...` are already where the engine looks, so there is nothing to do.
+Sources: `hf://org/name[@revision]` (`hub`) and `s3://bucket/prefix` (`s3`); `builtin://NAME`
+is converted from its GGUF file (shipped in fleetllm's engine image) into the Hugging Face folder
+vLLM loads (`builtin`); `pvc://...` is already where the engine looks, so there is nothing to do.
 
 What is fetched: the top-level files an engine loads (config and tokenizer files,
 `*.safetensors`), each verified as it arrives (`fetch`). `DIR/.fleetllm-pull.json` records a
@@ -22,10 +23,12 @@ import os
 import re
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from fleetllm.api.source import ModelSource
+from fleetllm.weights import builtin
 from fleetllm.weights.fetch import (
     Listing,
     PullError,
@@ -113,6 +116,8 @@ def pull(source: str, folder: Path, settings: Settings | None = None) -> Path:
     """Make `folder` hold the model of `source`; returns the folder."""
     settings = settings or Settings()
     parsed = _parse(source)
+    if parsed.scheme == "builtin":
+        return _pull_builtin(parsed, folder, settings)
     if not parsed.downloaded:
         log.info("nothing to pull", extra={"source": source})
         return folder
@@ -127,11 +132,22 @@ def pull(source: str, folder: Path, settings: Settings | None = None) -> Path:
     ):
         log.info("already pulled", extra={"source": source, "folder": str(folder)})
         return folder
+    _check_writable(source, folder, settings)
+    with _locked(folder):
+        return _pull_locked(source, parsed, canonical, folder, settings)
+
+
+def _check_writable(source: str, folder: Path, settings: Settings) -> None:
     if settings.read_only:
         raise PullError(
             f"{folder} is read-only and does not hold {source}: fill the cache beforehand "
             f"(`fleetllm model pull {source} {folder}` where it is writable)"
         )
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """One pull of `folder` at a time (replicas share the cache volume)."""
     folder.mkdir(parents=True, exist_ok=True)
     with (folder / LOCK).open("a") as lock:
         try:
@@ -139,7 +155,54 @@ def pull(source: str, folder: Path, settings: Settings | None = None) -> Path:
         except BlockingIOError:
             log.info("waiting for another pull of this folder", extra={"folder": str(folder)})
             fcntl.flock(lock, fcntl.LOCK_EX)
-        return _pull_locked(source, parsed, canonical, folder, settings)
+        yield
+
+
+def _write_marker(folder: Path, marker: dict[str, Any]) -> None:
+    """Record a complete pull, last and atomically: a folder without it is never used."""
+    tmp = folder / f"{MARKER}.tmp"
+    tmp.write_text(json.dumps(marker, indent=2, sort_keys=True))
+    os.replace(tmp, folder / MARKER)
+
+
+def _pull_builtin(parsed: ModelSource, folder: Path, settings: Settings) -> Path:
+    """Convert a built-in model into `folder` unless it already holds this conversion."""
+    source, made_of = parsed.uri, builtin.identity(parsed.location)
+
+    def done() -> bool:
+        marker = _read_marker(folder)
+        return _complete(marker, source, builtin.ENDPOINT) and marker.get("commit") == made_of  # type: ignore[union-attr]
+
+    if done():
+        log.info("already pulled", extra={"source": source, "folder": str(folder)})
+        return folder
+    _check_writable(source, folder, settings)
+    with _locked(folder):
+        if done():  # another pod converted it while we waited
+            return folder
+        started = time.monotonic()
+        log.info("converting", extra={"source": source, "folder": str(folder)})
+        files = builtin.convert(parsed.location, folder)
+        _write_marker(
+            folder,
+            {
+                "source": source,
+                "endpoint": builtin.ENDPOINT,
+                "revision": "",
+                "commit": made_of,
+                "files": {name: {"size": size, "checksum": None} for name, size in files.items()},
+            },
+        )
+        log.info(
+            "pull complete",
+            extra={
+                "source": source,
+                "bytes": sum(files.values()),
+                "seconds": round(time.monotonic() - started, 1),
+                "folder": str(folder),
+            },
+        )
+    return folder
 
 
 def _list(source: ModelSource, settings: Settings) -> Listing:
@@ -209,21 +272,16 @@ def _pull_locked(
     for name in set(old) - set(done):
         with contextlib.suppress(FileNotFoundError):
             (folder / name).unlink()
-    tmp = folder / f"{MARKER}.tmp"
-    tmp.write_text(
-        json.dumps(
-            {
-                "source": canonical,
-                "endpoint": where,
-                "revision": parsed.revision or ("main" if parsed.scheme == "hf" else ""),
-                "commit": listing.revision,
-                "files": done,
-            },
-            indent=2,
-            sort_keys=True,
-        )
+    _write_marker(
+        folder,
+        {
+            "source": canonical,
+            "endpoint": where,
+            "revision": parsed.revision or ("main" if parsed.scheme == "hf" else ""),
+            "commit": listing.revision,
+            "files": done,
+        },
     )
-    os.replace(tmp, folder / MARKER)
     log.info(
         "pull complete",
         extra={

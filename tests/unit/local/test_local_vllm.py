@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from examples import LOCAL_ONLY
+from examples import VLLM_BUILTIN
 
 from fleetllm.local.deployments import converted_folders, load_fleet
 from fleetllm.local.launch import hold_timeout, replica_argv, replica_env
@@ -22,7 +22,7 @@ PYTHON = Path("/opt/vllm/bin/python")
 
 def test_the_example_runs_vllm_serve_on_the_converted_built_in_model(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    (model,) = load_fleet([LOCAL_ONLY[0]], vllm=PYTHON, cache=cache)
+    (model,) = load_fleet([VLLM_BUILTIN], vllm=PYTHON, cache=cache)
     folder = converted_folders(cache)["smollm2-135m"]
     # The folder the builtin engine's own conversion makes in this cache.
     assert Path(folder).parent == cache / "models"
@@ -43,7 +43,7 @@ def test_the_example_runs_vllm_serve_on_the_converted_built_in_model(tmp_path: P
 
 
 def test_the_router_holds_requests_as_long_as_vllm_may_take_to_start(tmp_path: Path) -> None:
-    (vllm,) = load_fleet([LOCAL_ONLY[0]], vllm=PYTHON, cache=tmp_path)
+    (vllm,) = load_fleet([VLLM_BUILTIN], vllm=PYTHON, cache=tmp_path)
     (builtin,) = load_fleet([])
     # vLLM's CPU build compiles for minutes before it answers /health.
     assert vllm.startup_seconds >= 210

@@ -19,7 +19,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from examples import CLUSTER_EXAMPLES
+from examples import ALL_EXAMPLES
 
 from fleetllm.api.catalog import (
     GKE_ACCELERATOR_LABEL,
@@ -36,6 +36,7 @@ from fleetllm.images import (
     MODEL_PULL_IMAGE,
     MODEL_PULL_VERSION,
     UPSTREAM_IMAGES,
+    VLLM_CPU_IMAGE,
     VLLM_IMAGE,
     built_image,
 )
@@ -47,7 +48,7 @@ from fleetllm.planner.vllm_args import vllm_flags
 from fleetllm.version import __version__
 
 ROOT = Path(__file__).resolve().parents[3]
-EXAMPLES = CLUSTER_EXAMPLES
+EXAMPLES = ALL_EXAMPLES
 GPU_LABELS = {
     GPU_PRODUCT_LABEL,
     GKE_ACCELERATOR_LABEL,
@@ -467,7 +468,7 @@ def test_an_hf_builtin_pod_pulls_its_weights_first_into_requested_disk() -> None
 def test_a_shared_model_cache_replaces_the_per_pod_download() -> None:
     config = OperatorConfig(model_cache=ModelCache("model-cache"))
     for cr, pod in _pods(config):
-        if not cr.spec.model.source.startswith(("hf://", "s3://")):
+        if not plan(cr.spec).fills_cache:
             assert "initContainers" not in pod
             continue
         volumes = {v["name"]: v for v in pod["volumes"]}
@@ -547,7 +548,7 @@ def test_vllm_pods_run_vllm_serve_with_flags_the_tested_release_has() -> None:
             if cr.spec.engine.backend != "vllm":
                 continue
             seen += 1
-            assert engine["image"] == VLLM_IMAGE
+            assert engine["image"] == (VLLM_IMAGE if plan(cr.spec).gpu.is_gpu else VLLM_CPU_IMAGE)
             assert engine["command"] == ["vllm", "serve"]
             model, *flags = engine["args"]
             assert model.startswith("/")  # a folder in the pod, positional

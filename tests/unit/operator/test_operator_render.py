@@ -8,7 +8,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from examples import CLUSTER_EXAMPLES
+from examples import ALL_EXAMPLES
 
 from fleetllm.api.contract import ANNOTATION_APPLIED
 from fleetllm.api.deployment import LLMDeployment
@@ -19,7 +19,7 @@ from fleetllm.operator.render import render
 from fleetllm.planner.plan import plan
 
 ROOT = Path(__file__).resolve().parents[3]
-EXAMPLES = CLUSTER_EXAMPLES
+EXAMPLES = ALL_EXAMPLES
 KUBERNETES_VERSIONS = ("1.30", "1.37")
 
 

@@ -244,14 +244,6 @@ def test_tensor_parallelism_must_divide_the_heads() -> None:
         ),
         ({"maxModelLen": 200_000}, "MaxModelLenTooLong", "131072 tokens"),
         (
-            {
-                "model": {"name": "m", "source": "builtin://smollm2-135m"},
-                "engine": {"backend": "vllm"},
-            },
-            "UnsupportedSource",
-            "vLLM cannot load it",
-        ),
-        (
             {"gpu": {"type": "T4"}, "engine": {"dtype": "bfloat16"}, "maxModelLen": 4096},
             "UnsupportedDtype",
             "T4 (Turing) has no bfloat16",

@@ -9,18 +9,22 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from examples import LOCAL_ONLY
+from examples import VLLM_BUILTIN
 
 from fleetllm.api.deployment import LLMDeploymentSpec
 from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.images import VLLM_CPU_IMAGE, VLLM_IMAGE
 from fleetllm.operator.render import render
+from fleetllm.planner.checks import claims_to_check
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.placement import LocalPlacement
 from fleetllm.planner.plan import plan
+from fleetllm.planner.settings import ModelCache, OperatorConfig
 from fleetllm.planner.summary import plan_summary
+from fleetllm.planner.timing import download_seconds
 
 CONVERTED = "/cache/models/SmolLM2-135M-Instruct.Q4_1-0123456789ab"
+CACHED = OperatorConfig(model_cache=ModelCache(claim_name="models"))
 HERE = LocalPlacement(Path("/cache/pulled"), {"smollm2-135m": CONVERTED})
 
 
@@ -62,7 +66,7 @@ def test_vllm_on_a_cpu_gets_the_planned_kv_cache_in_bytes() -> None:
 
 
 def _cr() -> Any:
-    (cr,) = load_llmdeployments(LOCAL_ONLY[0])
+    (cr,) = load_llmdeployments(VLLM_BUILTIN)
     return cr
 
 
@@ -88,16 +92,23 @@ def test_marlin_kernels_are_not_asked_for_on_a_cpu() -> None:
     assert _flags(plan(spec).args)["--quantization"] == "awq"
 
 
-def test_the_built_in_model_is_only_for_the_local_fleet() -> None:
-    with pytest.raises(PlanError, match="vLLM cannot load it in a cluster") as refused:
-        plan(_spec())
-    assert refused.value.reason == "UnsupportedSource"
+def test_the_built_in_model_is_converted_into_the_model_cache_in_a_cluster() -> None:
+    # vLLM cannot read its GGUF file: in a pod it loads the folder an init container converts
+    # it into, in the model cache like downloaded weights.
+    pod = plan(_cr().spec)
+    folder = "/var/lib/fleetllm/models/builtin/smollm2-135m"
+    assert pod.model_path == folder == pod.args[0] and pod.fills_cache
+    assert download_seconds(pod) > 0
+    assert claims_to_check(_cr().spec, CACHED) == ["models"]
+    # The builtin engine loads it by its name, from its own image: nothing to fill.
+    builtin = _spec(engine={"backend": "builtin", "dtype": "bfloat16"})
+    assert not plan(builtin).fills_cache and plan(builtin).model_path == "smollm2-135m"
+    assert claims_to_check(builtin, CACHED) == []
     # Here it needs the folder the local fleet converts it into.
-    with pytest.raises(PlanError, match="no converted folder of it on this machine"):
+    assert plan(_spec(), placement=HERE).model_path == CONVERTED
+    with pytest.raises(PlanError, match="no converted folder of it on this machine") as refused:
         plan(_spec(), placement=LocalPlacement(Path("/cache/pulled")))
-    # The local-only example is that case.
-    with pytest.raises(PlanError, match="in a cluster"):
-        plan(_cr().spec)
+    assert refused.value.reason == "UnsupportedSource"
 
 
 def test_vllm_on_a_cpu_renders_for_a_cluster_with_the_cpu_image() -> None:

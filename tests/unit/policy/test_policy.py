@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from examples import CLUSTER_EXAMPLES
+from examples import ALL_EXAMPLES
 
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.api.manifests import parse_llmdeployment
@@ -54,7 +54,7 @@ EXAMPLES_POLICY = Policy.model_validate(
 )
 
 
-@pytest.mark.parametrize("path", CLUSTER_EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", ALL_EXAMPLES, ids=lambda p: p.stem)
 def test_the_examples_pass_a_policy_that_allows_their_scheduling(path: Path) -> None:
     for doc in yaml.safe_load_all(path.read_text()):
         cr = parse_llmdeployment(doc)

@@ -1,5 +1,6 @@
-"""What `fleetllm model pull` accepts as a source, without a network: sources in place need
-nothing, and the others are refused with the forms the stores expect."""
+"""What `fleetllm model pull` accepts as a source, without a network: a source in place needs
+nothing, and the others are refused with the forms the stores expect. (A built-in model's
+conversion: tests/integration/engine/test_model_pull.py.)"""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ from fleetllm.weights.fetch import PullError
 from fleetllm.weights.pull import pull
 
 
-@pytest.mark.parametrize("source", ["pvc://weights/llama", "builtin://smollm2-135m"])
-def test_a_source_in_place_is_not_pulled(source: str, tmp_path: Path) -> None:
+def test_a_source_in_place_is_not_pulled(tmp_path: Path) -> None:
     folder = tmp_path / "models"
-    assert pull(source, folder) == folder
+    assert pull("pvc://weights/llama", folder) == folder
     assert not folder.exists()
 
 
@@ -27,6 +27,7 @@ def test_a_source_in_place_is_not_pulled(source: str, tmp_path: Path) -> None:
         ("hf://acme/tiny+llama", "expected hf://ORG/NAME[@REVISION]"),
         ("hf://acme/..", "expected hf://ORG/NAME[@REVISION]"),
         ("s3://Bad_Bucket/models", "'Bad_Bucket' is not an S3 bucket name"),
+        ("builtin://nope", "unknown built-in model builtin://nope; built-in models: smollm2"),
     ],
 )
 def test_unusable_sources_are_refused_before_any_request(

@@ -347,6 +347,16 @@ class Proxy:
                         timeout=self._upstream_timeout,
                     )
                     outcome = str(upstream.status)
+                    if upstream.status == 401:
+                        # The router's key was refused, never the client's (checked here): a
+                        # replica still on a rotated key. Backed off; another may take it.
+                        lease.failed()
+                        log.warning(
+                            "a replica refused the router's engine key",
+                            extra={"model": lease.model.name, "replica": lease.replica.url},
+                        )
+                        body = error_json(502, "The replica refused the router's key for it.")
+                        return _Failure(502, body, "application/json")
                     content_type = upstream.headers.get("Content-Type", "application/json")
                     if not content_type.startswith("text/event-stream"):
                         phase.reschedule(deadline)  # the answer has begun

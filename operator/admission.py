@@ -8,7 +8,7 @@ import dataclasses
 import secrets
 from typing import Any
 
-from fleetllm.api.contract import engine_key_secret
+from fleetllm.api.contract import engine_key, engine_key_secret
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.operator.render import _metadata, render_deployment
 from fleetllm.operator.render_access import render_key_secret
@@ -24,8 +24,13 @@ def review(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> PolicyRepor
     return check(cr, config.policy, container["image"], container["resources"], own)
 
 
-def new_key_secret(cr: LLMDeployment) -> dict[str, Any]:
-    """The engine-key Secret with a fresh random key (256 bits)."""
-    return render_key_secret(
-        _metadata(cr, engine_key_secret(cr.metadata.name)), secrets.token_urlsafe(32)
-    )
+def new_key_secret(cr: LLMDeployment, root: str = "") -> dict[str, Any]:
+    """The engine-key Secret: with the fleet's root (and the object's uid, which only the API
+    server gives), the key derived from it, which the router derives too; without (`fleetllm
+    render` offline, an operator run with no root), a fresh random key (256 bits)."""
+    meta = cr.metadata
+    if root and meta.uid and meta.namespace:
+        key = engine_key(root, meta.namespace, meta.name, meta.uid)
+    else:
+        key = secrets.token_urlsafe(32)
+    return render_key_secret(_metadata(cr, engine_key_secret(meta.name)), key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import yaml
 
 from fleetllm.api.catalog import GPU_PROFILES
+from fleetllm.api.contract import ENGINE_KEY_ROOT_ENV
 from fleetllm.api.deployment import NAME_PATTERN, LLMDeployment
 from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.operator.admission import new_key_secret, review
@@ -319,4 +321,6 @@ def cmd_operator_run(args: argparse.Namespace) -> int:
         config=config_from_args(args),
         autoscale_interval=args.autoscale_interval,
         resync_interval=args.resync_interval,
+        # From the env only: a flag's value shows in the pod spec and in `ps`.
+        engine_key_root=os.environ.get(ENGINE_KEY_ROOT_ENV, ""),
     )

@@ -76,6 +76,7 @@ class OperatorState:
         client: KubeClient,
         config: OperatorConfig = DEFAULT_CONFIG,
         conflict_recheck_seconds: float = CONFLICT_RECHECK_SECONDS,
+        engine_key_root: str = "",
     ) -> OperatorState:
         async def post_event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
             try:
@@ -92,7 +93,9 @@ class OperatorState:
 
         return cls(
             client=client,
-            reconciler=Reconciler(client, emit=post_event, config=config),
+            reconciler=Reconciler(
+                client, emit=post_event, config=config, engine_key_root=engine_key_root
+            ),
             scaler=Scaler(client, emit=post_event),
             conflict_recheck_seconds=conflict_recheck_seconds,
         )
@@ -317,6 +320,7 @@ def run(
     config: OperatorConfig = DEFAULT_CONFIG,
     autoscale_interval: float = AUTOSCALE_INTERVAL_SECONDS,
     resync_interval: float = RESYNC_SECONDS,
+    engine_key_root: str = "",
 ) -> int:
     kopf.configure(
         verbose=verbose, log_format=kopf.LogFormat.JSON if log_json else kopf.LogFormat.FULL
@@ -332,7 +336,7 @@ def run(
     kopf.run(
         registry=build_registry(autoscale_interval, resync_interval),
         settings=settings,
-        memo=OperatorState.create(client, config),
+        memo=OperatorState.create(client, config, engine_key_root=engine_key_root),
         clusterwide=clusterwide,
         namespaces=namespaces,
         standalone=standalone,

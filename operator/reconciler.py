@@ -66,7 +66,8 @@ AUTOSCALER_KINDS = {"hpa": "HorizontalPodAutoscaler", "keda": "ScaledObject"}
 # The API server's answers to an object it will never accept as written (BadRequest, Invalid).
 INVALID_STATUSES = (400, 422)
 # Children not watched (a change to them raises no event): the periodic resync repairs them.
-# The key Secret is made once and never rewritten.
+# The key Secret: without a root, made once and never rewritten; with one, rewritten whenever
+# it is not the derived key (a root rotation, a hand edit).
 UNWATCHED_RESOURCES: dict[str, Resource] = {"NetworkPolicy": NETWORKPOLICIES, "Secret": SECRETS}
 RESOURCES: dict[str, Resource] = {
     **CHILD_RESOURCES,
@@ -112,9 +113,12 @@ def needs_apply(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
         return True
     live_meta = live.get("metadata") or {}
     want_meta = desired["metadata"]
-    if (live_meta.get("annotations") or {}).get(ANNOTATION_APPLIED) != want_meta["annotations"][
-        ANNOTATION_APPLIED
-    ]:
+    # The key Secret carries no hash of its rendering (that would be a hash of the key): its
+    # data alone is compared.
+    applied = (want_meta.get("annotations") or {}).get(ANNOTATION_APPLIED)
+    if applied is not None and (live_meta.get("annotations") or {}).get(ANNOTATION_APPLIED) != (
+        applied
+    ):
         return True
     if not is_subset(want_meta.get("labels", {}), live_meta.get("labels") or {}):
         return True
@@ -148,9 +152,11 @@ class Reconciler:
         emit: EventSink,
         clock: Callable[[], str] = utcnow,
         config: OperatorConfig = DEFAULT_CONFIG,
+        engine_key_root: str = "",
     ) -> None:
         self.client = client
         self.config = config
+        self._engine_key_root = engine_key_root
         self._emit = emit
         self._clock = clock
         # Child events and LLMDeployment events for one object arrive on different watch
@@ -216,7 +222,9 @@ class Reconciler:
                 live[kind] = None  # not ours: never read as our state, never written
         if isinstance(outcome, Plan) and cr is not None and not result.conflicts:
             # The key first: the engine pods read it at start.
-            desired_objects = [new_key_secret(cr)] if live["Secret"] is None else []
+            desired_objects = []
+            if self._engine_key_root or live["Secret"] is None:
+                desired_objects.append(new_key_secret(cr, self._engine_key_root))
             for desired in desired_objects + render(cr, outcome, self.config):
                 desired["metadata"].setdefault("namespace", namespace)
                 kind, child = desired["kind"], desired["metadata"]["name"]

@@ -4,6 +4,7 @@ require (a Secret it owns, read by the engine through its env). Pure, no I/O."""
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 from fleetllm.api.contract import (
@@ -77,12 +78,12 @@ def key_env(cr: LLMDeployment) -> dict[str, Any]:
 
 
 def render_key_secret(metadata: dict[str, Any], key: str) -> dict[str, Any]:
-    """The engine-key Secret, made once with a fresh key: the reconciler never rewrites it
-    (to rotate: delete it, then restart the engine Deployment, which reads it at start)."""
+    """The engine-key Secret. As `data`, the form the API server returns, so that comparing it
+    with the live Secret tells whether a derived key changed (see docs/security.md, rotation)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": metadata,
         "type": "Opaque",
-        "stringData": {ENGINE_KEY_FIELD: key},
+        "data": {ENGINE_KEY_FIELD: base64.b64encode(key.encode()).decode()},
     }

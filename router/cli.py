@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fleetllm.api.contract import ENGINE_KEY_ROOT_ENV
 from fleetllm.logs import configure_logging
 from fleetllm.router.config import STRATEGIES, RouterSettings
 
@@ -134,7 +135,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--upstream-api-key",
         default=os.environ.get(UPSTREAM_KEY_ENV),
-        help=f"bearer key for the replicas (env {UPSTREAM_KEY_ENV})",
+        help=f"bearer key for the replicas (env {UPSTREAM_KEY_ENV}); with {ENGINE_KEY_ROOT_ENV} "
+        "set, a discovered LLMDeployment's replicas get its own derived key instead",
     )
 
     g = p.add_argument_group("scale from zero")
@@ -250,6 +252,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         max_inflight_requests=args.max_inflight_requests,
         max_inflight_bytes=args.max_inflight_bytes,
         cache_salt_secret=os.environ.get(CACHE_SALT_ENV, "").encode(),
+        # The env only (the chart's `<release>-engine-keys` Secret): never a flag, seen in `ps`.
+        engine_key_root=os.environ.get(ENGINE_KEY_ROOT_ENV, "").encode(),
     )
 
 

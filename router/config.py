@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import get_args
 
 from fleetllm.api.deployment import RoutingSpec
@@ -56,8 +56,12 @@ class RouterSettings:
     opening or of its previous answer (also how long an idle keep-alive connection stays)."""
     client_body_timeout: float = 60.0
     """The whole request body must arrive within this many seconds of its headers."""
-    upstream_api_key: str | None = None
-    """Sent to the replicas as a bearer token (engines started with --api-key)."""
+    upstream_api_key: str | None = field(default=None, repr=False)
+    """Sent as a bearer token to the replicas discovery names no LLMDeployment for (the static
+    fleet file's; engines started with --api-key)."""
+    engine_key_root: bytes = field(default=b"", repr=False)
+    """The fleet's root: each LLMDeployment's replicas get their own key derived from it
+    (`contract.engine_key`); empty: they get `upstream_api_key` like the others."""
 
     # What one replica may make the router hold (over a cap: the replica is backed off and
     # the client gets 502).

@@ -49,6 +49,9 @@ CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER}"
 class ReplicaRef:
     url: str
     draining: bool = False
+    engine: tuple[str, str, str] | None = None
+    """(namespace, name, uid) of the LLMDeployment whose engine this is, where discovery knows
+    it: the router sends it the key derived from these (see `contract.engine_key`)."""
 
 
 @dataclass(frozen=True)
@@ -385,7 +388,11 @@ def build_fleet(
         service = ours.get((d.namespace, child_names(d.name)["Service"]))
         refs: dict[str, ReplicaRef] = {}
         if service is not None and service.owner_uid == d.uid:
-            refs = endpoints.get((d.namespace, service.name, service.uid), {})
+            engine = (d.namespace, d.name, d.uid)
+            refs = {
+                url: dataclasses.replace(ref, engine=engine)
+                for url, ref in endpoints.get((d.namespace, service.name, service.uid), {}).items()
+            }
         model_id = f"{d.namespace}/{d.model}" if qualified else d.model
         route = fleet.get(model_id)
         if route is None:

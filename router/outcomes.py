@@ -2,7 +2,8 @@
 the `code` of an error event that comes before a stream's first token).
 
 - `ANSWER`: the replica works; the answer goes to the client. Every 1xx-4xx: a 4xx is about the
-  request, never held against the replica.
+  request, never held against the replica. (But a 401, which is about the router's engine key,
+  never the client's: the proxy backs the replica off and answers 502 before asking here.)
 - `UNAVAILABLE`: 502, 503, 504: the replica cannot serve now (its engine is dead, loading,
   draining or overloaded, or a proxy in front of it has lost it). It is backed off, and the
   request moves to another replica while nothing has reached the client. Connection failures

@@ -224,7 +224,7 @@ class ReplicaPool:
                 pooled = model.replicas.get(url)
                 if pooled is None:
                     pooled = model.replicas[url] = PooledReplica(
-                        Replica(url, name, ref.draining),
+                        Replica(url, name, ref.draining, ref.engine),
                         self.metrics.child(self.metrics.inflight, name, url),
                         self.metrics.child(self.metrics.replica_up, name, url),
                     )
@@ -232,6 +232,8 @@ class ReplicaPool:
                         pooled.scraper = asyncio.create_task(self._scrape_loop(model, pooled))
                 else:
                     pooled.replica.draining = ref.draining
+                    # A pod's address taken over by another LLMDeployment's pod.
+                    pooled.replica.engine = ref.engine
                 self.refresh_up(model, pooled)
             model.rebuild_ring()
             if model.has_available():

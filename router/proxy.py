@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from fleetllm.api.contract import engine_key
 from fleetllm.errors import error_json
 from fleetllm.httpread import TooLarge, read_bounded
 from fleetllm.router.access import Access
@@ -141,6 +142,7 @@ class Proxy:
         self._upstream_headers = {"Content-Type": "application/json"}
         if settings.upstream_api_key:
             self._upstream_headers["Authorization"] = f"Bearer {settings.upstream_api_key}"
+        self._engine_key_root = settings.engine_key_root
         # Timeouts past the connect are enforced per phase (first byte, whole request).
         self._upstream_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout
@@ -325,6 +327,10 @@ class Proxy:
         loop = asyncio.get_running_loop()
         settings = self.settings
         headers = {**self._upstream_headers, "X-Request-Id": ctx.request_id}
+        engine = lease.replica.engine
+        if self._engine_key_root and engine is not None:
+            # This model's key only: one engine never sees another's.
+            headers["Authorization"] = f"Bearer {engine_key(self._engine_key_root, *engine)}"
         upstream: aiohttp.ClientResponse | None = None
         outcome = "error"
         events = EventSplitter(settings.max_event_bytes)
@@ -341,6 +347,16 @@ class Proxy:
                         timeout=self._upstream_timeout,
                     )
                     outcome = str(upstream.status)
+                    if upstream.status == 401:
+                        # The router's key was refused, never the client's (checked here): a
+                        # replica still on a rotated key. Backed off; another may take it.
+                        lease.failed()
+                        log.warning(
+                            "a replica refused the router's engine key",
+                            extra={"model": lease.model.name, "replica": lease.replica.url},
+                        )
+                        body = error_json(502, "The replica refused the router's key for it.")
+                        return _Failure(502, body, "application/json")
                     content_type = upstream.headers.get("Content-Type", "application/json")
                     if not content_type.startswith("text/event-stream"):
                         phase.reschedule(deadline)  # the answer has begun

@@ -13,6 +13,7 @@ class Replica:
     __slots__ = (
         "down_until",
         "draining",
+        "engine",
         "failures",
         "healthy",
         "in_flight",
@@ -23,10 +24,18 @@ class Replica:
         "waiting",
     )
 
-    def __init__(self, url: str, model: str, draining: bool = False) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        draining: bool = False,
+        engine: tuple[str, str, str] | None = None,
+    ) -> None:
         self.url = url
         self.model = model
         self.draining = draining
+        self.engine = engine
+        """(namespace, name, uid) of its LLMDeployment, which names its key; None: static."""
         self.in_flight = 0
         self.running = 0.0
         self.waiting = 0.0

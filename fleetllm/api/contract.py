@@ -4,6 +4,10 @@ autoscaler and the local fleet find replicas by them."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
+
 from fleetllm.api.deployment import LLMDeployment
 
 LABEL_NAME = "app.kubernetes.io/name"
@@ -58,6 +62,23 @@ requires (Authorization: Bearer); the router sends it to that model's replicas o
 def engine_key_secret(name: str) -> str:
     """The Secret, owned by the LLMDeployment, that holds its engines' API key."""
     return f"{name}-engine-key"
+
+
+ENGINE_KEY_ROOT_ENV = "FLEETLLM_ENGINE_KEY_ROOT"
+"""The fleet's root secret (the chart's `<release>-engine-keys` Secret), in the env of both the
+operator and the router: each derives every engine key from it, so the router sends each model
+its own key without reading any tenant's Secret."""
+
+
+def engine_key(root: str | bytes, namespace: str, name: str, uid: str) -> str:
+    """The key the engines of one LLMDeployment require: HMAC-SHA256 under the fleet's root of
+    `namespace/name/uid` (urlsafe base64, 43 characters). The uid makes a deleted and recreated
+    LLMDeployment of the same name a different key; a root rotation changes every key."""
+    secret = root.encode() if isinstance(root, str) else root
+    if not secret:
+        raise ValueError("the engine key root is empty")
+    digest = hmac.new(secret, f"{namespace}/{name}/{uid}".encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
 def endpoint(name: str, namespace: str) -> str:

@@ -114,3 +114,18 @@ affinity:
 {{- $tail := .tail | default "" -}}
 [{{- range $i, $glob := .globs }}{{ if $i }}, {{ end }}r'{{ if $fold }}(?i){{ end }}^{{ $glob | regexQuoteMeta | replace "\\*" ".*" | replace "\\?" "." }}{{ $tail }}$'{{- end }}]
 {{- end -}}
+
+{{/* The Secret of the fleet's root secret (engineKeys). */}}
+{{- define "fleetllm.engineKeys.name" -}}
+{{ .Values.engineKeys.secretName | default (printf "%s-engine-keys" (include "fleetllm.fullname" .)) }}
+{{- end -}}
+
+{{/* The env of the operator and router containers that holds it: both derive each
+LLMDeployment's engine key from it (fleetllm.api.contract.engine_key). */}}
+{{- define "fleetllm.engineKeys.env" -}}
+- name: FLEETLLM_ENGINE_KEY_ROOT
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "fleetllm.engineKeys.name" . }}
+      key: root
+{{- end -}}

@@ -1,10 +1,12 @@
 """The operator against an emulated API server, for what keeps tenants in their lane: the
 admin's policy refuses fields with a condition naming field and rule, engine.env reads only
-Secrets the admin labelled, each LLMDeployment gets a key Secret made once and a NetworkPolicy
-the resync restores, and an update made during a ten-minute API outage is applied after it."""
+Secrets the admin labelled, each LLMDeployment gets a key Secret (made once; or, with the fleet's
+root, the derived key, rewritten when the root rotates) and a NetworkPolicy the resync restores,
+and an update made during a ten-minute API outage is applied after it."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import functools
 from collections.abc import AsyncIterator
@@ -16,6 +18,7 @@ import pytest_asyncio
 from kubeapi import EmulatedApiServer
 from kubelogin import kubeconfig_for
 
+from fleetllm.api.contract import engine_key
 from fleetllm.api.deployment import API_VERSION, KIND
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.login import load_credentials
@@ -157,6 +160,23 @@ async def test_the_key_secret_is_made_once_and_owned(
     again = api.get(SECRETS, "smol-engine-key")
     assert again.get("stringData", again.get("data")) == key
     assert api.get(NETWORKPOLICIES, "smol-engine") is not None
+
+
+async def test_with_a_root_the_key_is_derived_and_follows_a_rotation(
+    api: EmulatedApiServer, reconciler: Reconciler
+) -> None:
+    await _create(api, SMOL)
+    uid = api.get(CR, "smol")["metadata"]["uid"]
+    for root in ("first-root", "rotated-root"):
+        derived = Reconciler(reconciler.client, emit=reconciler._emit, engine_key_root=root)
+        outcome = await derived.reconcile("default", "smol")
+        assert outcome is not None and outcome.planned
+        data = api.get(SECRETS, "smol-engine-key")["data"]["api-key"]
+        assert base64.b64decode(data).decode() == engine_key(root, "default", "smol", uid)
+        # Once written, a reconcile with the same root leaves it alone.
+        writes = len(api.writes())
+        await derived.reconcile("default", "smol")
+        assert not [w for w in api.writes()[writes:] if "secrets" in str(w.url)]
 
 
 async def test_an_update_made_during_a_ten_minute_outage_is_applied_after_it(

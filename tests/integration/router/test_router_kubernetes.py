@@ -2,7 +2,8 @@
 serve --discovery kubernetes`, logged in through a kubeconfig, routes to the EndpointSlices of
 the Service the operator rendered for each LLMDeployment (and to no other), leaves terminating
 endpoints alone, keys models by namespace with `--all-namespaces` or several `--namespace`
-(watching only those), and scales a model up from
+(watching only those), sends each LLMDeployment's replicas the key derived for it from the
+fleet's root (and no other model's, nor the global upstream key), and scales a model up from
 zero through the scale subresource when its requests are held.
 
 The emulator filters by label selector on the server side, as a real API server does, and
@@ -21,11 +22,18 @@ import httpx
 import kmock
 import pytest
 import pytest_asyncio
+from aiohttp import web
 from kubeapi import CR_RESOURCE, EmulatedApiServer, emulated_api
 from kubelogin import kubeconfig_for
-from router_testkit import EngineFleet, Process, async_wait_until, metric_sum
+from router_testkit import EngineFleet, Process, async_wait_until, metric_sum, serve_upstream
 
-from fleetllm.api.contract import LABEL_MANAGED_BY, LABEL_MODEL, MANAGER
+from fleetllm.api.contract import (
+    ENGINE_KEY_ROOT_ENV,
+    LABEL_MANAGED_BY,
+    LABEL_MODEL,
+    MANAGER,
+    engine_key,
+)
 from fleetllm.api.deployment import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from fleetllm.router.discovery import SERVICE_NAME_LABEL
 
@@ -139,14 +147,14 @@ def _slice(
     }
 
 
-def _router(api: Any, tmp_path: Path, *extra: str) -> Process:
+def _router(api: Any, tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> Process:
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(kubeconfig_for(str(api.url).rstrip("/")))
     return Process(
         ["router", "serve", "--discovery", "kubernetes", "--hold-timeout", str(GUARD),
          "--scrape-interval", "0.2", *extra],
         tmp_path / "router.log",
-        env={"KUBECONFIG": str(kubeconfig)},
+        env={"KUBECONFIG": str(kubeconfig), **(env or {})},
     )  # fmt: skip
 
 
@@ -414,3 +422,73 @@ async def test_api_keys_from_a_secret(api: Any, engines: EngineFleet, tmp_path: 
 
 async def _is(value: Any, expected: Any) -> bool:
     return await value == expected
+
+
+class KeyedEngine:
+    """A stand-in engine that, like ours and vLLM started with a key, answers 401 to any other
+    key; /health and /metrics stay open. `seen` is the Authorization of every request."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.key = ""
+        self.seen: list[str] = []
+
+    async def __call__(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/health":
+            return web.Response()
+        if request.path == "/metrics":
+            return web.Response(text="vllm:num_requests_waiting 0\n")
+        self.seen.append(request.headers.get("Authorization", ""))
+        if request.headers.get("Authorization") != f"Bearer {self.key}":
+            return web.json_response({"error": {"message": "bad key", "code": 401}}, status=401)
+        return web.json_response({"model": self.model, "choices": [{"text": "ok"}]})
+
+
+async def test_each_models_replicas_get_their_own_derived_key(api: Any, tmp_path: Path) -> None:
+    root = "fleet-root-for-the-test"
+    engines = {"alpha": KeyedEngine("alpha"), "beta": KeyedEngine("beta")}
+    async with serve_upstream(engines["alpha"]) as alpha, serve_upstream(engines["beta"]) as beta:
+        for name, url in (("alpha", alpha), ("beta", beta)):
+            service_uid = await _model(api, f"ld-{name}", name, 1, "least-load")
+            uid = (await _write(api, "GET", f"{_crs()}/ld-{name}"))["metadata"]["uid"]
+            engines[name].key = engine_key(root, NS, f"ld-{name}", uid)
+            port = int(url.rsplit(":", 1)[1])
+            await _write(api, "POST", _slices(), _slice(f"{name}-0", f"ld-{name}", service_uid,
+                                                        name, port))  # fmt: skip
+        process = _router(
+            api, tmp_path, "--namespace", NS, "--upstream-api-key", "sk-global",
+            env={ENGINE_KEY_ROOT_ENV: root},
+        )  # fmt: skip
+        try:
+            await asyncio.to_thread(process.wait_healthy)
+            async with httpx.AsyncClient(timeout=GUARD) as client:
+                await async_wait_until(
+                    lambda: _has(_lister(client, process), ["alpha", "beta"]), "models", GUARD
+                )
+                for name in ("alpha", "beta", "alpha", "beta"):
+                    r = await client.post(
+                        f"{process.url}/v1/completions",
+                        json={"model": name, "prompt": "x", "max_tokens": 2},
+                    )
+                    assert r.status_code == 200, r.text
+                    assert r.json()["model"] == name
+                # A replica still on another key (a rotation it has not picked up): the
+                # client, whose key was fine, gets 502 naming the router's key, not a 401.
+                derived, engines["alpha"].key = engines["alpha"].key, "a key from before"
+                r = await client.post(
+                    f"{process.url}/v1/completions",
+                    json={"model": "alpha", "prompt": "x", "max_tokens": 2},
+                )
+                assert r.status_code == 502, r.text
+                assert "refused the router's key" in r.json()["error"]["message"]
+                engines["alpha"].key = derived
+        finally:
+            await asyncio.to_thread(process.close)
+        log = process.log_text()
+    alpha_key, beta_key = engines["alpha"].key, engines["beta"].key
+    assert "a replica refused the router's engine key" in log
+    assert alpha_key != beta_key
+    # Each engine saw its own key only: never the other's, never the global one.
+    assert set(engines["alpha"].seen) == {f"Bearer {alpha_key}"}
+    assert engines["beta"].seen == [f"Bearer {beta_key}"] * 2
+    assert alpha_key not in log and beta_key not in log and root not in log

@@ -4,13 +4,14 @@ metadata; its engines require the key of a Secret it owns, read from env, never 
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
 import kubernetes_validate
 import pytest
 
-from fleetllm.api.contract import ENGINE_KEY_FIELD, engine_key_secret
+from fleetllm.api.contract import ENGINE_KEY_FIELD, engine_key, engine_key_secret
 from fleetllm.api.manifests import parse_llmdeployment
 from fleetllm.operator.admission import new_key_secret
 from fleetllm.operator.render import render
@@ -94,9 +95,29 @@ def test_the_engine_reads_its_required_key_from_the_owned_secret(
     kubernetes_validate.validate(secret, "1.30", strict=True)
     assert secret["metadata"]["name"] == engine_key_secret("smol")
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "u-1"
-    key = secret["stringData"][ENGINE_KEY_FIELD]
-    assert len(key) >= 40 and key != new_key_secret(_cr(backend))["stringData"][ENGINE_KEY_FIELD]
+    key = _key(secret)
+    assert len(key) >= 40 and key != _key(new_key_secret(_cr(backend)))
     assert key not in json.dumps(objects)
+
+
+def _key(secret: dict[str, Any]) -> str:
+    return base64.b64decode(secret["data"][ENGINE_KEY_FIELD]).decode()
+
+
+def test_with_a_root_the_key_is_the_derived_one() -> None:
+    cr = _cr()
+    secret = new_key_secret(cr, root="fleet-root")
+    kubernetes_validate.validate(secret, "1.30", strict=True)
+    assert _key(secret) == engine_key("fleet-root", "team-a", "smol", "u-1")
+    assert _key(new_key_secret(cr, root="fleet-root")) == _key(secret)  # stable
+    assert _key(new_key_secret(cr, root="rotated")) != _key(secret)
+    # Offline (`fleetllm render`), the API server has given no uid: a random key.
+    offline = parse_llmdeployment(
+        {**cr.model_dump(by_alias=True, exclude_none=True), "metadata": {"name": "smol"}}
+    )
+    assert _key(new_key_secret(offline, root="fleet-root")) != _key(
+        new_key_secret(offline, root="fleet-root")
+    )
 
 
 def test_a_spec_cannot_replace_the_engine_key() -> None:

@@ -305,6 +305,22 @@ def test_all_namespaces_keys_models_by_namespace_and_aliases_no_plain_name() -> 
     assert all(route.aliases == () for route in fleet.values())
 
 
+def test_each_replica_names_the_llmdeployment_whose_key_it_requires() -> None:
+    # Two LLMDeployments of one namespace serving one model share its replicas, but each
+    # replica keeps its own LLMDeployment (and so its own key).
+    deployments = [_deployment("a", "llama", uid="uid-a"), _deployment("b", "llama", uid="uid-b")]
+    services = [_service("a", owner_uid="uid-a"), _service("b", owner_uid="uid-b")]
+    slices = [_slice("sa", "a", _ready("10.0.0.1")), _slice("sb", "b", _ready("10.0.0.2"))]
+    fleet = _fleet(deployments, services, slices)
+    assert {r.url: r.engine for r in fleet["llama"].replicas} == {
+        "http://10.0.0.1:8000": ("ml", "a", "uid-a"),
+        "http://10.0.0.2:8000": ("ml", "b", "uid-b"),
+    }
+    # A static fleet's replicas name none: they get --upstream-api-key.
+    static = parse_static_fleet({"models": {"m": ["http://127.0.0.1:8001"]}})
+    assert static["m"].replicas[0].engine is None
+
+
 @pytest.mark.asyncio
 async def test_static_file_is_reloaded_on_change_and_a_bad_edit_keeps_the_last_fleet(
     tmp_path: Path,

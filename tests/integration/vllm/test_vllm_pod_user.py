@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import pwd
+import secrets
 import shlex
 import shutil
 import signal
@@ -34,7 +35,7 @@ from tinymodels import write_tiny_chat_model
 from vllm_tier import PROMISED
 
 from fleetllm.api.deployment import LLMDeployment
-from fleetllm.local.vllm import SERVER_MODULE
+from fleetllm.local.vllm import vllm_executable
 from fleetllm.operator.render import render
 from fleetllm.planner.plan import plan
 
@@ -131,7 +132,11 @@ class Pod:
         (self.container,) = self.spec["containers"]
         self.uid = unnamed_uid()
         self.python = python
-        self.env = {var["name"]: var["value"] for var in self.container["env"]}
+        # What the kubelet gives the container: values as rendered, and the engine key read
+        # from its Secret (a fresh one here, as the operator makes).
+        self.key = secrets.token_urlsafe(32)
+        self.env = {var["name"]: var.get("value", self.key) for var in self.container["env"]}
+        assert [v["name"] for v in self.container["env"] if "value" not in v] == ["VLLM_API_KEY"]
         self.binds: list[tuple[Path, str, bool]] = []
         (root / "stash").mkdir()
         self.exposure = python_exposure(python, root / "stash")
@@ -263,9 +268,9 @@ def test_vllm_starts_and_answers_as_the_rendered_pod(pod: Pod, tmp_path: Path) -
     args += ["--port", str(port), "--enforce-eager", "--gpu-memory-utilization", "0.1"]
     args += ["--block-size", "32"]
     served = args[args.index("--served-model-name") + 1]
-    # `vllm serve MODEL` is vLLM's API server with --model MODEL (the console script of the
-    # CPU build cannot run: see fleetllm.local.vllm).
-    command = [str(pod.python), "-m", SERVER_MODULE, "--model", model, *args]
+    # The rendered `vllm serve MODEL ...`, through vLLM's own CLI (the CPU build's console
+    # script cannot find its distribution: see fleetllm.local.vllm).
+    command = [*vllm_executable(pod.python), "serve", model, *args]
     log = tmp_path / "vllm.log"
     with log.open("w") as sink:
         process = pod.run(command, pod.env, stdout=sink, stderr=subprocess.STDOUT)
@@ -281,11 +286,12 @@ def test_vllm_starts_and_answers_as_the_rendered_pod(pod: Pod, tmp_path: Path) -
                 pass
             assert time.monotonic() < deadline, f"no /health: {excerpt(log)}"
             time.sleep(2)
-        reply = httpx.post(
-            f"{base}/v1/completions",
-            json={"model": served, "prompt": "Hello", "max_tokens": 4, "temperature": 0},
-            timeout=120,
-        )
+        body = {"model": served, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        url = f"{base}/v1/completions"
+        # The engine requires its key: the router's, never anyone else's.
+        assert httpx.post(url, json=body, timeout=120).status_code == 401
+        auth = {"Authorization": f"Bearer {pod.key}"}
+        reply = httpx.post(url, json=body, headers=auth, timeout=120)
         assert reply.status_code == 200, reply.text
         (choice,) = reply.json()["choices"]
         assert choice["finish_reason"] in ("length", "stop")

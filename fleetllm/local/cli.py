@@ -197,7 +197,7 @@ async def run_fleet(
     from aiohttp import web
 
     from fleetllm.local.autoscaler import run_autoscaler
-    from fleetllm.local.launch import GPUPool, cpu_threads, hold_timeout
+    from fleetllm.local.launch import CorePool, GPUPool, hold_timeout
     from fleetllm.local.status import StatusView
     from fleetllm.local.supervisor import Supervisor, SupervisorSettings
     from fleetllm.router.config import RouterSettings
@@ -216,15 +216,19 @@ async def run_fleet(
         log_dir=log_dir,
         endpoint=endpoint,
         grace_s=grace_s,
-        cpu_threads=cpu_threads(len(cores), cpu_replicas),
-        cpu_cores=tuple(cores),
     )
     router: Router | None = None
 
     def in_flight(model: str, url: str) -> int:
         return router.pool.in_flight(model, url) if router is not None else 0
 
-    supervisor = Supervisor(models, settings, gpus=GPUPool(gpus), in_flight=in_flight)
+    supervisor = Supervisor(
+        models,
+        settings,
+        gpus=GPUPool(gpus),
+        cores=CorePool(cores, cpu_replicas),
+        in_flight=in_flight,
+    )
     router = Router(
         RouterSettings(host=host, port=port, hold_timeout=hold_timeout(models)),
         supervisor.discovery,

@@ -94,12 +94,6 @@ def local_args(model: LocalModel, port: int) -> list[str]:
     return args
 
 
-def cpu_threads(cpu_count: int, cpu_replicas: int) -> int:
-    """Torch threads per CPU replica: the cores shared out over the most CPU replicas the
-    fleet may run, so that replicas added under load do not fight over the same cores."""
-    return max(1, cpu_count // max(1, cpu_replicas))
-
-
 def replica_argv(model: LocalModel, port: int, *, threads: int | None) -> list[str]:
     """The full command line of one replica listening on loopback:`port`."""
     args = local_args(model, port)
@@ -124,8 +118,9 @@ def replica_env(
     devices: Sequence[str] | None,
     cores: Sequence[int] = (),
 ) -> dict[str, str]:
-    """The environment of one replica: ours, vLLM's settings (its threads on `cores`, this
-    fleet's cores, for a CPU replica), the spec's variables, the GPUs it was given."""
+    """The environment of one replica: ours, vLLM's settings (its threads on `cores`, the
+    replica's slot of this machine's cores, for a CPU replica), the spec's variables, the GPUs
+    it was given."""
     env = dict(base)
     if model.backend == "vllm":
         env.update(VLLM_ENV)
@@ -135,6 +130,33 @@ def replica_env(
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     return env
+
+
+class CorePool:
+    """This machine's cores in equal slots, one per CPU replica the fleet may run at once.
+
+    Each CPU replica computes on its own slot: the builtin engine runs as many threads as its
+    slot has cores, and vLLM binds its OpenMP threads to them. Two OpenMP teams bound to the
+    same cores wait for each other at every barrier, so a replica starting under load next
+    to a busy one would crawl; disjoint slots keep replicas added under load off each other's
+    cores. When more replicas run than there are slots (a draining one beside its
+    replacement), the least used slot is shared."""
+
+    def __init__(self, cores: Sequence[int], slots: int) -> None:
+        cores = sorted(cores) or [0]
+        width = max(1, len(cores) // max(1, slots))
+        count = len(cores) // width
+        self.slots = tuple(tuple(cores[i * width : (i + 1) * width]) for i in range(count))
+        self._users = [0] * count
+
+    def take(self) -> tuple[int, ...]:
+        """The least used slot (the first of those)."""
+        index = min(range(len(self.slots)), key=lambda i: (self._users[i], i))
+        self._users[index] += 1
+        return self.slots[index]
+
+    def give_back(self, cores: tuple[int, ...]) -> None:
+        self._users[self.slots.index(cores)] -= 1
 
 
 class GPUPool:

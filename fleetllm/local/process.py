@@ -59,7 +59,10 @@ class GuardedProcess:
                     pass_fds=(read_fd,),
                     # Out of the terminal's process group: Ctrl-C reaches the supervisor only,
                     # which stops the fleet in order (the router first, then the engines).
-                    start_new_session=True,
+                    # Not a session of its own: on Linux each session is a scheduling
+                    # autogroup, and a replica starting in a group of its own next to a busy
+                    # replica's group got almost no CPU time (minutes to start, not one).
+                    process_group=0,
                 )
         except BaseException:
             os.close(write_fd)

@@ -25,7 +25,14 @@ from typing import Any
 import aiohttp
 
 from fleetllm.autoscale.step import scale_summary
-from fleetllm.local.launch import GPUPool, LocalModel, replica_argv, replica_env, spec_env
+from fleetllm.local.launch import (
+    CorePool,
+    GPUPool,
+    LocalModel,
+    replica_argv,
+    replica_env,
+    spec_env,
+)
 from fleetllm.local.policy import (
     Candidate,
     State,
@@ -59,6 +66,7 @@ class Replica:
     url: str | None = None
     process: GuardedProcess | None = None
     devices: tuple[str, ...] | None = None
+    cores: tuple[int, ...] | None = None
     failures: int = 0
     restarts: int = 0
     ready_since: float | None = None
@@ -140,10 +148,6 @@ class SupervisorSettings:
     grace_s: float = 30.0
     """At shutdown, how long open requests get to finish (a scale-down drains a replica for
     its model's engine.drainSeconds)."""
-    cpu_threads: int | None = None
-    """Torch threads of each CPU replica."""
-    cpu_cores: tuple[int, ...] = ()
-    """The cores this fleet runs on (what vLLM's CPU replicas bind their threads to)."""
 
 
 class Supervisor:
@@ -153,11 +157,13 @@ class Supervisor:
         settings: SupervisorSettings,
         *,
         gpus: GPUPool,
+        cores: CorePool,
         in_flight: Callable[[str, str], int] = lambda model, url: 0,
     ) -> None:
         self.settings = settings
         self.fleets = {m.name: ModelFleet(m, m.initial_replicas) for m in models}
         self.gpus = gpus
+        self.cores = cores
         self.in_flight = in_flight
         self.discovery = LocalDiscovery(self.demand)
         self.stopping = False
@@ -332,7 +338,7 @@ class Supervisor:
                 if not await self._take_devices(fleet, replica):
                     break
                 code = await self._run_once(fleet, replica)
-                self._release_devices(replica)
+                self._give_back(replica)
                 if code is None or replica.retire.is_set():
                     break
                 served = None
@@ -359,7 +365,7 @@ class Supervisor:
         finally:
             if replica.process is not None and replica.process.returncode is None:
                 replica.process.kill()
-            self._release_devices(replica)
+            self._give_back(replica)
             fleet.replicas.pop(replica.key, None)
             self.publish()
             self.reconcile(fleet)
@@ -386,18 +392,23 @@ class Supervisor:
                 await asyncio.wait_for(replica.retire.wait(), READY_POLL_S)
         return False
 
-    def _release_devices(self, replica: Replica) -> None:
+    def _give_back(self, replica: Replica) -> None:
+        """The GPUs and the cores a stopped replica held."""
         if replica.devices is not None:
             self.gpus.give_back(replica.devices)
             replica.devices = None
+        if replica.cores is not None:
+            self.cores.give_back(replica.cores)
+            replica.cores = None
 
     async def _run_once(self, fleet: ModelFleet, replica: Replica) -> int | None:
         """Start the replica and serve until it exits (its status) or is retired (None)."""
         model = fleet.model
         port = free_port()
-        threads = None if model.plan.gpu.is_gpu else self.settings.cpu_threads
-        argv = replica_argv(model, port, threads=threads)
-        env = replica_env(model, os.environ, replica.devices, self.settings.cpu_cores)
+        if not model.plan.gpu.is_gpu:
+            replica.cores = self.cores.take()
+        argv = replica_argv(model, port, threads=len(replica.cores) if replica.cores else None)
+        env = replica_env(model, os.environ, replica.devices, replica.cores or ())
         replica.url = f"http://127.0.0.1:{port}"
         replica.ready_since = None
         replica.set_state(State.STARTING)

@@ -72,9 +72,10 @@ def vllm_executable(python: Path) -> tuple[str, ...]:
 
 
 def cpu_env(cores: Sequence[int]) -> dict[str, str]:
-    """vLLM's CPU threads on `cores` (the cores this fleet runs on): its default keeps one
-    core for its API process and binds one thread per physical core of one NUMA node, which
-    on a small machine leaves a single thread to compute."""
+    """vLLM's CPU threads on `cores` (the replica's slot of this machine's cores): its
+    default keeps one core for its API process and binds one thread per physical core of one
+    NUMA node, which on a small machine leaves a single thread to compute, and binds every
+    replica to the same cores."""
     return {
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(core) for core in sorted(cores)),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",

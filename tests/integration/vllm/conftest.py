@@ -17,7 +17,7 @@ from vllm_tier import requires_vllm, vllm_python
 
 from fleetllm.engine.model_files import resolve_model
 from fleetllm.local.deployments import load_fleet
-from fleetllm.local.launch import LocalModel
+from fleetllm.local.launch import CorePool, LocalModel
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -36,10 +36,6 @@ def vllm_parser(requires_vllm: Path) -> Iterator[VllmParser]:
 def vllm() -> Path:
     """vLLM's Python; without it the tier skips, or fails where it was promised."""
     return vllm_python()
-
-
-def fleet_cores() -> tuple[int, ...]:
-    return tuple(sorted(os.sched_getaffinity(0)))
 
 
 @pytest.fixture(scope="session")
@@ -61,9 +57,11 @@ def vllm_model(vllm_manifest: Path, vllm: Path) -> LocalModel:
 def vllm_replicas(
     vllm_model: LocalModel, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[Replica]]:
-    """Two vLLM replicas, started together (each loads while the other does)."""
+    """Two vLLM replicas, started together (each loads while the other does), each on its
+    own slot of the cores, as `fleetllm up` runs them."""
     logs = tmp_path_factory.mktemp("vllm-logs")
-    replicas = [Replica(vllm_model, logs / f"vllm-{i}.log", fleet_cores()) for i in range(2)]
+    cores = CorePool(sorted(os.sched_getaffinity(0)), 2)
+    replicas = [Replica(vllm_model, logs / f"vllm-{i}.log", cores.take()) for i in range(2)]
     try:
         for replica in replicas:
             replica.wait_healthy()

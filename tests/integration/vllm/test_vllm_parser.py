@@ -24,6 +24,7 @@ from fleetllm.images import VLLM_IMAGE, VLLM_VERSION
 from fleetllm.planner.errors import ArgsRefused, PlanError
 from fleetllm.planner.plan import Plan, plan
 from fleetllm.planner.vllm_args import read_vllm_args, vllm_flags
+from fleetllm.planner.vllm_cpu import kv_cache_bytes
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))
@@ -42,7 +43,11 @@ def assert_reads_the_plan(read: dict[str, Any], planned: Plan) -> None:
     assert read["max_model_len"] == s.max_model_len
     assert read["block_size"] == s.block_size
     assert read["dtype"] == s.dtype
-    assert read["gpu_memory_utilization"] == pytest.approx(s.gpu_memory_utilization, abs=0.005)
+    if planned.gpu.is_gpu:
+        assert read["gpu_memory_utilization"] == pytest.approx(s.gpu_memory_utilization, abs=0.005)
+    else:
+        # No device memory to take a share of: the KV cache is given in bytes instead.
+        assert read["kv_cache_memory_bytes"] == kv_cache_bytes(planned.estimate)
     assert read["shutdown_timeout"] == planned.drain_seconds
     assert read["kv_cache_dtype"] == ("auto" if s.kv_cache_dtype == s.dtype else s.kv_cache_dtype)
     assert read["enable_prefix_caching"] is True

@@ -106,7 +106,9 @@ class Replica:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=replica_env(model, os.environ, None, cores),
-            start_new_session=True,
+            # A group, not a session: each session is a scheduling autogroup (see
+            # fleetllm/local/process.py).
+            process_group=0,
         )
 
     def wait_healthy(self) -> None:

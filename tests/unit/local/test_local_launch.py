@@ -1,5 +1,5 @@
 """A local replica runs the planned command with the planned arguments; only the address,
-the interpreter and the CPU threads are its own."""
+the interpreter and the CPU cores it computes on are its own."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 from fleetllm.local.deployments import load_fleet
 from fleetllm.local.launch import (
+    CorePool,
     GPUPool,
     LocalModel,
-    cpu_threads,
     replica_argv,
     replica_env,
 )
@@ -36,6 +36,7 @@ spec:
 
 
 VLLM = Path("/opt/vllm/bin/python")
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _model(tmp_path: Path, text: str) -> LocalModel:
@@ -114,11 +115,24 @@ def test_vllm_replica_runs_the_planned_vllm_server_on_the_pulled_weights(
     assert env["PATH"] == "/bin"
 
 
-def test_cpu_replicas_share_the_cores() -> None:
-    assert cpu_threads(16, 2) == 8
-    assert cpu_threads(2, 2) == 1
-    assert cpu_threads(2, 5) == 1
-    assert cpu_threads(8, 0) == 8
+def test_cpu_replicas_compute_on_disjoint_slots_of_the_cores() -> None:
+    assert CorePool(range(16), 2).slots == (tuple(range(8)), tuple(range(8, 16)))
+    assert CorePool([0, 1], 5).slots == ((0,), (1,))
+    assert CorePool([3, 1, 2], 0).slots == ((1, 2, 3),)
+    pool = CorePool([0, 1, 2, 3], 2)
+    first, second = pool.take(), pool.take()
+    assert (first, second) == ((0, 1), (2, 3))
+    # A third replica (one draining beside its replacement) shares the least used slot.
+    assert pool.take() == (0, 1)
+    pool.give_back(second)
+    assert pool.take() == (2, 3)
+
+
+def test_a_vllm_cpu_replica_binds_its_threads_to_its_slot() -> None:
+    (model,) = load_fleet([ROOT / "manifests/examples/smollm2-cpu-vllm.yaml"], vllm=VLLM)
+    env = replica_env(model, {}, None, (1,))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
 
 
 def test_gpu_pool_hands_out_whole_devices_and_takes_them_back() -> None:

@@ -15,7 +15,7 @@ import pytest
 from fleetllm.cli import main
 from fleetllm.engine import cpu_features
 from fleetllm.local.deployments import load_fleet, local_notes
-from fleetllm.local.launch import GPUPool, LocalModel, replica_argv, replica_env
+from fleetllm.local.launch import CorePool, GPUPool, LocalModel, replica_argv, replica_env
 from fleetllm.local.supervisor import ModelFleet, Supervisor, SupervisorSettings
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.plan import plan
@@ -112,7 +112,9 @@ def test_routing_and_scaling_bounds_reach_the_router_and_the_supervisor(tmp_path
         2.0,
     )
     assert (model.min_replicas, model.max_replicas) == (0, 3)
-    supervisor = Supervisor([model], SupervisorSettings(tmp_path, "e"), gpus=GPUPool([]))
+    supervisor = Supervisor(
+        [model], SupervisorSettings(tmp_path, "e"), gpus=GPUPool([]), cores=CorePool([0], 1)
+    )
     supervisor.set_desired("m", 9, "test")
     assert supervisor.fleets["m"].desired == 3
 
@@ -122,7 +124,10 @@ def test_drain_seconds_bound_a_scale_down_and_the_grace_period_a_shutdown(
 ) -> None:
     model = _fleet(tmp_path, {**CPU, "engine": {"drainSeconds": 90}})
     supervisor = Supervisor(
-        [model], SupervisorSettings(tmp_path, "e", grace_s=20), gpus=GPUPool([])
+        [model],
+        SupervisorSettings(tmp_path, "e", grace_s=20),
+        gpus=GPUPool([]),
+        cores=CorePool([0], 1),
     )
     fleet = supervisor.fleets["m"]
     assert supervisor.drain_time(fleet) == 90

@@ -36,7 +36,6 @@ spec:
 
 
 VLLM = Path("/opt/vllm/bin/python")
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def _model(tmp_path: Path, text: str) -> LocalModel:
@@ -126,13 +125,6 @@ def test_cpu_replicas_compute_on_disjoint_slots_of_the_cores() -> None:
     assert pool.take() == (0, 1)
     pool.give_back(second)
     assert pool.take() == (2, 3)
-
-
-def test_a_vllm_cpu_replica_binds_its_threads_to_its_slot() -> None:
-    (model,) = load_fleet([ROOT / "manifests/examples/smollm2-cpu-vllm.yaml"], vllm=VLLM)
-    env = replica_env(model, {}, None, (1,))
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
-    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
 
 
 def test_gpu_pool_hands_out_whole_devices_and_takes_them_back() -> None:

@@ -45,8 +45,9 @@ def test_the_example_runs_vllm_serve_on_the_converted_built_in_model(tmp_path: P
 def test_the_router_holds_requests_as_long_as_vllm_may_take_to_start(tmp_path: Path) -> None:
     (vllm,) = load_fleet([VLLM_BUILTIN], vllm=PYTHON, cache=tmp_path)
     (builtin,) = load_fleet([])
-    # vLLM's CPU build compiles for minutes before it answers /health.
-    assert vllm.startup_seconds >= 210
+    # vLLM's CPU build compiles for minutes before it answers /health (150-210 s on two idle
+    # cores, over 300 s beside a busy neighbour).
+    assert vllm.startup_seconds >= 600
     assert hold_timeout([builtin, vllm]) == vllm.startup_seconds
     assert hold_timeout([builtin]) == RouterSettings.hold_timeout
 

@@ -285,6 +285,10 @@ def make_settings(
     settings.posting.reporting_instance = socket.gethostname()
     settings.networking.request_timeout = 60
     settings.networking.connect_timeout = 10
+    # kopf's own requests (its watches, lists and annotation patches) give up after eight
+    # tries, about a minute, by default: a watch that gives up stops the whole operator. An
+    # API outage (a control-plane upgrade) is waited out instead, each wait capped.
+    settings.networking.error_backoffs = Backoff(max_seconds=MAX_BACKOFF_SECONDS)
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     # Children are watched for the operator's own objects only, filtered by the API server.

@@ -5,8 +5,9 @@ it is back. The wait is injected (tests play ten minutes of outage in no time)."
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -30,6 +31,11 @@ class Backoff:
 
     def delay(self, attempt: int) -> float:
         return min(self.max_seconds, self.first_seconds * 2.0 ** min(attempt, 32))
+
+    def __iter__(self) -> Iterator[float]:
+        """The waits of one request retried for as long as it fails (kopf's form of a
+        backoff: an iterable without a length retries without limit)."""
+        return map(self.delay, itertools.count())
 
 
 def transient(exc: BaseException) -> bool:

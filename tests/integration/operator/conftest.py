@@ -8,7 +8,9 @@ import collections
 import contextlib
 import functools
 import logging
+import selectors
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -47,13 +49,38 @@ class _CycleCounter(logging.Handler):
             self.finished[ref.get("name", "")] += 1
 
 
+class _FastSelector(selectors.DefaultSelector):
+    """Waits `rate` times shorter than asked: the other half of `FastClockLoop`."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.rate = rate
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        return super().select(None if timeout is None else timeout / self.rate)
+
+
+class FastClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock runs `rate` times faster than the wall's: every sleep,
+    timer, backoff and timeout in it (kopf's, aiohttp's, the operator's) passes that much
+    sooner, while sockets work as ever. Minutes of an outage play in seconds."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__(_FastSelector(rate))
+        self.rate = rate
+
+    def time(self) -> float:
+        return time.monotonic() * self.rate
+
+
 class RunningOperator:
     """The operator in its own thread and event loop, as in production (one process).
 
     By default it serves NAMESPACE standalone (or, with a `priority`, as a member of the
     KopfPeering "fleetllm" there), without kopf's cluster scanning (which these tests do not
     need). With `settings`, it runs with those (say, the production ones), on `namespaces`,
-    or cluster-wide when that is None."""
+    or cluster-wide when that is None. With a `clock_rate`, its event loop's clock runs that
+    many times faster than the wall's (see FastClockLoop)."""
 
     def __init__(
         self,
@@ -66,6 +93,7 @@ class RunningOperator:
         resync_interval: float = 300.0,
         settings: kopf.OperatorSettings | None = None,
         namespaces: list[str] | None = [NAMESPACE],  # noqa: B006 - never mutated
+        clock_rate: float = 1.0,
     ) -> None:
         client = KubeClient(load, user_agent=user_agent)
         self.state = OperatorState.create(client, conflict_recheck_seconds=conflict_recheck_seconds)
@@ -75,6 +103,7 @@ class RunningOperator:
         self.resync_interval = resync_interval
         self.settings = settings
         self.namespaces = namespaces
+        self.clock_rate = clock_rate
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="operator", daemon=True)
@@ -87,19 +116,24 @@ class RunningOperator:
             settings = make_settings(standalone=self.priority is None, priority=self.priority)
             settings.scanning.disabled = True  # kmock cannot list namespaces
         settings.watching.reconnect_backoff = 0.05
+        # An operator that stops on its own is a failure to report, never a process to kill
+        # (kopf's last resort when it does not exit in time).
+        settings.process.ultimate_exiting_timeout = None
+        rate = self.clock_rate
         try:
-            asyncio.run(
-                kopf.operator(
-                    registry=build_registry(self.autoscale_interval, self.resync_interval),
-                    settings=settings,
-                    memo=self.state,
-                    clusterwide=self.namespaces is None,
-                    namespaces=self.namespaces or [],
-                    standalone=settings.peering.standalone,
-                    stop_flag=self._stop,
-                    ready_flag=self._ready,
+            with asyncio.Runner(loop_factory=lambda: FastClockLoop(rate)) as runner:
+                runner.run(
+                    kopf.operator(
+                        registry=build_registry(self.autoscale_interval, self.resync_interval),
+                        settings=settings,
+                        memo=self.state,
+                        clusterwide=self.namespaces is None,
+                        namespaces=self.namespaces or [],
+                        standalone=settings.peering.standalone,
+                        stop_flag=self._stop,
+                        ready_flag=self._ready,
+                    )
                 )
-            )
         except BaseException as exc:
             self.failure = exc
 
@@ -138,8 +172,7 @@ async def start_operator(
         kubeconfig: Path = default, conflict_recheck_seconds: float = 0.5, **kwargs: Any
     ) -> RunningOperator:
         """kwargs: user_agent, priority (a peering member), autoscale_interval,
-        resync_interval, settings,
-        namespaces (see RunningOperator)."""
+        resync_interval, settings, namespaces, clock_rate (see RunningOperator)."""
         load = functools.partial(load_credentials, kubeconfig=kubeconfig)
         operator = RunningOperator(load, conflict_recheck_seconds, **kwargs)
         running.append(operator)

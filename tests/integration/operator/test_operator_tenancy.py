@@ -2,10 +2,12 @@
 admin's policy refuses fields with a condition naming field and rule, engine.env reads only
 Secrets the admin labelled, each LLMDeployment gets a key Secret (made once; or, with the fleet's
 root, the derived key, rewritten when the root rotates) and a NetworkPolicy the resync restores,
-and an update made during a ten-minute API outage is applied after it."""
+and an update made during a ten-minute API outage is applied after it: by the reconcile loop,
+and by the whole operator (kopf's watches and handlers included) on a fast clock."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
 import functools
@@ -22,6 +24,7 @@ from fleetllm.api.contract import engine_key
 from fleetllm.api.deployment import API_VERSION, KIND
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.login import load_credentials
+from fleetllm.operator.handlers import make_settings
 from fleetllm.operator.reconciler import Reconciler
 from fleetllm.operator.retry import Backoff, reconcile_until_done
 
@@ -137,7 +140,8 @@ async def test_engine_env_reads_only_secrets_the_admin_labelled(
     ) as response:
         assert response.status == 200
     await reconciler.reconcile("default", "smol")
-    assert _condition(api, "smol", "Planned")["status"] == "True"
+    status = api.get(CR, "smol")["status"]
+    assert status["observedGeneration"] == api.get(CR, "smol")["metadata"]["generation"]
     assert api.get(DEPLOYMENTS, "smol-engine") is not None
 
 
@@ -224,3 +228,47 @@ async def test_the_resync_restores_an_unwatched_child(
         assert response.status == 200
     # No watch covers NetworkPolicies: only the periodic resync brings it back.
     await eventually(lambda: api.get(NETWORKPOLICIES, "smol-engine"), "NetworkPolicy restored")
+
+
+async def test_the_operator_waits_out_a_ten_minute_outage_and_applies_the_update_after_it(
+    api: EmulatedApiServer, start_operator: Any, eventually: Any
+) -> None:
+    # The production settings; the operator's clock runs 20 times faster than the wall's,
+    # so the ten minutes (kopf's retries, watch timeouts, resyncs, backoffs) take thirty
+    # seconds. The test's clock (and the API server's) is the wall's.
+    rate = 20.0
+    settings = make_settings(standalone=True)
+    settings.scanning.disabled = True  # kmock cannot list namespaces
+    operator = await start_operator(settings=settings, clock_rate=rate)
+    await _create(api, SMOL)
+    await eventually(lambda: api.get(DEPLOYMENTS, "smol-engine"), "the engine Deployment")
+
+    # Every request of the operator's (kopf's watches and patches, the reconciler's calls)
+    # gets 503 for ten minutes; a minute in, someone updates the LLMDeployment.
+    agents = ("kopf", "fleetllm-operator")
+    api.outage_agents = agents
+
+    def tries() -> int:
+        return sum(1 for agent, _ in api.authorizations if agent.startswith(agents))
+
+    await asyncio.sleep(60 / rate)
+    async with api.patch(f"{CRS}/smol", json={"spec": {"maxModelLen": 2048}}, headers=MERGE) as r:
+        assert r.status == 200
+    await asyncio.sleep(480 / rate)
+    before_last_minute = tries()
+    await asyncio.sleep(60 / rate)
+    api.outage_agents = ()
+    assert tries() > before_last_minute  # still trying at the end of the outage
+    assert operator.failure is None
+
+    await eventually(
+        lambda: _arg(api.get(DEPLOYMENTS, "smol-engine"), "--max-model-len") == "2048",
+        "the update applied after the outage",
+    )
+
+    def reconciled() -> bool:
+        cr = api.get(CR, "smol")
+        return (cr.get("status") or {}).get("observedGeneration") == cr["metadata"]["generation"]
+
+    await eventually(reconciled, "the status of the updated generation")
+    assert operator.failure is None

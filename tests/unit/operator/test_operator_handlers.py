@@ -1,9 +1,13 @@
 """kopf's wiring of the control loop: every LLMDeployment is resynced on a timer that puts no
-finalizer on it, handlers retry without limit, and each wait is capped."""
+finalizer on it, handlers and kopf's own API requests retry without limit, and each wait is
+capped."""
 
 from __future__ import annotations
 
-from fleetllm.operator.handlers import build_registry
+import itertools
+from collections.abc import Sized
+
+from fleetllm.operator.handlers import MAX_BACKOFF_SECONDS, build_registry, make_settings
 from fleetllm.operator.retry import Backoff
 
 
@@ -24,3 +28,12 @@ def test_the_backoff_doubles_up_to_its_cap() -> None:
     backoff = Backoff(first_seconds=1.0, max_seconds=60.0)
     assert [backoff.delay(a) for a in range(8)] == [1, 2, 4, 8, 16, 32, 60, 60]
     assert backoff.delay(10_000) == 60.0
+
+
+def test_kopfs_own_requests_retry_without_limit_each_wait_capped() -> None:
+    # kopf's default gives up after eight tries, and a watch that gives up stops the operator.
+    backoffs = make_settings(standalone=True).networking.error_backoffs
+    assert not isinstance(backoffs, Sized)  # kopf reads a length as a number of tries
+    waits = list(itertools.islice(backoffs, 1000))
+    assert waits[:3] == [1, 2, 4] and max(waits) == waits[-1] == MAX_BACKOFF_SECONDS
+    assert list(itertools.islice(backoffs, 3)) == [1, 2, 4]  # every request starts afresh

@@ -4,8 +4,11 @@ says of the replica, token usage."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fleetllm.router.outcomes import Verdict, classify
 from fleetllm.router.sse import (
@@ -137,3 +140,37 @@ def test_the_event_splitter_refuses_an_event_over_the_cap() -> None:
     # Many small events in one chunk are fine, whatever their total.
     events = b"data: ok\n\n" * 500
     assert EventSplitter(1024).feed(events) == events
+
+
+class _CountingBuffer(bytearray):
+    """The splitter's buffer, counting the bytes its searches for a blank line go over."""
+
+    scanned = 0
+
+    def rfind(self, sub: Any, start: Any = None, *args: Any) -> int:
+        _CountingBuffer.scanned += len(self) - (start or 0)
+        return super().rfind(sub, start, *args)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=200),
+    events=st.lists(st.integers(0, 3000), min_size=1, max_size=20),
+)
+def test_the_event_splitter_reads_each_byte_a_bounded_number_of_times(
+    sizes: list[int], events: list[int]
+) -> None:
+    # Events of any length (one long one with no blank line yet, the hostile case, among them)
+    # cut into chunks of any size: the searches go over each byte at most twice (once as it
+    # arrives, once more as the byte before a chunk), never over the whole pending event again.
+    stream = b"".join(b"data: " + b"x" * n + b"\n\n" for n in events) + b"data: " + b"y" * 4000
+    splitter = EventSplitter(1 << 20)
+    splitter._pending = _CountingBuffer()
+    _CountingBuffer.scanned = 0
+    out, at, chunk = [], 0, 0
+    while at < len(stream):
+        size = sizes[chunk % len(sizes)]
+        out.append(splitter.feed(stream[at : at + size]))
+        at, chunk = at + size, chunk + 1
+    assert b"".join(out) + splitter.rest() == stream
+    assert _CountingBuffer.scanned <= len(stream) + chunk

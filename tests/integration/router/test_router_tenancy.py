@@ -44,6 +44,10 @@ def _models(router: Process, key: str) -> list[str]:
     return [m["id"] for m in r.json()["data"]]
 
 
+def _headers(response: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k not in ("date", "x-request-id")}
+
+
 def _cached(response: httpx.Response) -> int:
     assert response.status_code == 200, response.text
     if response.headers["Content-Type"].startswith("text/event-stream"):
@@ -95,12 +99,24 @@ def test_a_key_reaches_only_its_scope_and_learns_nothing_of_the_rest(
     assert _models(router, "sk-beta-0123456789") == ["beta"]
     assert _models(router, "sk-ops-0123456789") == ["beta", "team-a/chat", "team-b/chat"]
 
-    # Out of scope and nonexistent: the same answer, the name swapped.
-    hidden = _post(router, "sk-a-one-0123456789", "team-b/chat")
-    missing = _post(router, "sk-a-one-0123456789", "team-z/chat")
-    assert hidden.status_code == missing.status_code == 404
-    assert hidden.json() == json.loads(missing.text.replace("team-z/chat", "team-b/chat"))
-    assert _post(router, "sk-beta-0123456789", "team-a/chat").status_code == 404
+    # Out of scope and nonexistent: the same answer byte for byte, the name swapped, with the
+    # same headers (but the request's id and date), streamed or not, by id or by plain name.
+    for body in ({}, {"stream": True}):
+        for key, hidden_name, missing_name in (
+            ("sk-a-one-0123456789", "team-b/chat", "team-z/chat"),
+            ("sk-beta-0123456789", "team-a/chat", "team-q/chat"),
+            ("sk-beta-0123456789", "chat", "nope"),
+        ):
+            hidden = _post(router, key, hidden_name, **body)
+            missing = _post(router, key, missing_name, **body)
+            assert hidden.status_code == missing.status_code == 404
+            assert hidden.json()["error"]["code"] == 404
+            assert hidden.content == missing.content.replace(
+                f"`{missing_name}`".encode(), f"`{hidden_name}`".encode()
+            )
+            assert _headers(hidden) == _headers(missing) | {
+                "content-length": str(len(hidden.content))
+            }
 
     # A plain name resolves inside the key's namespaces...
     assert _post(router, "sk-a-one-0123456789", "chat").status_code == 200

@@ -41,14 +41,24 @@ tag (the default tag). */}}
 {{ include "fleetllm.imageRef" (dict "root" . "image" .Values.image "tag" .Chart.AppVersion) }}
 {{- end -}}
 
+{{/* The operator's own images of engine pods, as JSON: its flag name -> the reference. */}}
+{{- define "fleetllm.engineImages" -}}
+{{- $images := .Values.engine.images -}}
+{{- dict
+  "engine-image" (include "fleetllm.imageRef" (dict "root" . "image" $images.cpu "tag" .Chart.AppVersion))
+  "engine-cuda-image" (include "fleetllm.imageRef" (dict "root" . "image" $images.cuda "tag" (printf "%s-cuda" .Chart.AppVersion)))
+  "vllm-image" (include "fleetllm.imageRef" (dict "root" . "image" $images.vllm "tag" ""))
+  "vllm-cpu-image" (include "fleetllm.imageRef" (dict "root" . "image" $images.vllmCpu "tag" ""))
+  "model-pull-image" (include "fleetllm.imageRef" (dict "root" . "image" $images.modelPull "tag" ""))
+  | toJson -}}
+{{- end -}}
+
 {{/* The operator's flags for the images and pod settings of engines (operator/cluster_args.py). */}}
 {{- define "fleetllm.engineArgs" -}}
-{{- $images := .Values.engine.images -}}
-- --engine-image={{ include "fleetllm.imageRef" (dict "root" . "image" $images.cpu "tag" .Chart.AppVersion) }}
-- --engine-cuda-image={{ include "fleetllm.imageRef" (dict "root" . "image" $images.cuda "tag" (printf "%s-cuda" .Chart.AppVersion)) }}
-- --vllm-image={{ include "fleetllm.imageRef" (dict "root" . "image" $images.vllm "tag" "") }}
-- --vllm-cpu-image={{ include "fleetllm.imageRef" (dict "root" . "image" $images.vllmCpu "tag" "") }}
-- --model-pull-image={{ include "fleetllm.imageRef" (dict "root" . "image" $images.modelPull "tag" "") }}
+{{- $own := include "fleetllm.engineImages" . | fromJson -}}
+{{- range $i, $flag := list "engine-image" "engine-cuda-image" "vllm-image" "vllm-cpu-image" "model-pull-image" }}
+{{- if $i }}{{ "\n" }}{{ end }}- --{{ $flag }}={{ index $own $flag }}
+{{- end }}
 {{- range .Values.imagePullSecrets }}
 - --image-pull-secret={{ .name }}
 {{- end }}

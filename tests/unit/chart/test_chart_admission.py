@@ -6,12 +6,15 @@ pods, to the pod-deletion-cost annotation. The chart's policy values are the cod
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import celpy
 import pytest
 import yaml
 from helmchart import CHART, NAMESPACE, by_kind, render
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fleetllm.api.manifests import parse_llmdeployment
 from fleetllm.operator.admission import review
@@ -36,14 +39,19 @@ def _policy(objects: list[dict[str, Any]], suffix: str) -> dict[str, Any]:
     return found
 
 
+@functools.cache
+def _program(expression: str) -> Any:
+    env = celpy.Environment()
+    return env.program(env.compile(expression))
+
+
 def _denials(policy: dict[str, Any], request: dict[str, Any]) -> list[str]:
     """The messages of the validations that fail, for a request its match conditions select
     (an empty list: admitted)."""
-    env = celpy.Environment()
     activation = {k: celpy.json_to_cel(v) for k, v in request.items()}
 
     def holds(expression: str) -> bool:
-        return bool(env.program(env.compile(expression)).evaluate(activation))
+        return bool(_program(expression).evaluate(activation))
 
     if not all(holds(c["expression"]) for c in policy["spec"].get("matchConditions", [])):
         return []
@@ -118,6 +126,121 @@ def test_the_llmdeployment_policy_refuses_what_the_operator_refuses(
     # Each denial names the field and the rule, as the operator's condition does.
     for message in denials:
         assert message.startswith("spec.") and "policy." in message
+
+
+# Value sets the fuzz below runs on: the defaults, and an admin's exceptions to them.
+ADMIN_SETS = (
+    "policy.maxReplicas=8",
+    "policy.allowedServiceAccounts={engine-*}",
+    "policy.allowedPriorityClasses={inference}",
+    "policy.allowedTolerationKeys={nvidia.com/gpu,dedicated}",
+    "policy.env.allowed={HF_ENDPOINT}",
+    "policy.annotations.allowed={sidecar.istio.io/inject}",
+    "policy.allowedImageRegistries={registry.corp.example/engines/}",
+)
+
+
+@functools.cache
+def _rendered_policies(admin: bool) -> tuple[dict[str, Any], Policy]:
+    objects = render(None, *(ADMIN_SETS if admin else ()))
+    (config_map,) = [
+        c for c in by_kind(objects, "ConfigMap") if c["metadata"]["name"].endswith("-policy")
+    ]
+    policy = Policy.model_validate(yaml.safe_load(config_map["data"]["policy.yaml"]))
+    return _policy(objects, "-llmdeployments"), policy
+
+
+def _rule(name: str) -> str:
+    """A policy rule's top-level field (`env.denied` -> `env`)."""
+    return name.removeprefix("policy.").split(".")[0]
+
+
+NAMES = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,10}", fullmatch=True)
+ENV_NAMES = st.one_of(
+    NAMES,
+    st.sampled_from(
+        ["LD_PRELOAD", "ld_library_path", "PYTHONPATH", "PythonHome", "HF_ENDPOINT",
+         "AWS_ENDPOINT_URL", "aws_endpoint_url_s3", "HTTPS_PROXY", "no_proxy", "SSL_CERT_FILE",
+         "REQUESTS_CA_BUNDLE", "FLEETLLM_API_KEY", "VLLM_API_KEY", "HF_HUB_OFFLINE", "HF_TOKEN",
+         "LOG_LEVEL", "MY_ENDPOINT", "ENDPOINT"]
+    ),
+)  # fmt: skip
+ANNOTATIONS = st.one_of(
+    st.from_regex(r"[a-z]{1,8}(\.[a-z]{1,5})?(/[a-z]{1,8})?", fullmatch=True),
+    st.sampled_from(
+        ["container.apparmor.security.beta.kubernetes.io/engine",
+         "seccomp.security.alpha.kubernetes.io/pod", "security.alpha.kubernetes.io/sysctls",
+         "sidecar.istio.io/inject", "linkerd.io/inject", "config.linkerd.io/proxy-cpu",
+         "vault.hashicorp.com/agent-inject", "kubectl.kubernetes.io/default-container",
+         "prometheus.io/scrape", "team"]
+    ),
+)  # fmt: skip
+TOLERATIONS = st.lists(
+    st.fixed_dictionaries(
+        {"operator": st.just("Exists")},
+        optional={
+            "key": st.sampled_from(
+                ["", "nvidia.com/gpu", "dedicated", "node-role.kubernetes.io/control-plane"]
+            )
+        },
+    ),
+    max_size=3,
+)
+
+
+@st.composite
+def llmdeployments(draw: st.DrawFn) -> dict[str, Any]:
+    vllm = draw(st.booleans())
+    engine: dict[str, Any] = {"backend": "vllm"} if vllm else {}
+    if image := draw(
+        st.sampled_from(
+            [None, "ghcr.io/fleetllm/engine:9", "ghcr.io/fleetllmx/engine:9",
+             "docker.io/attacker/engine:1", "vllm/vllm-openai:v0.32.0",
+             "registry.corp.example/engines/fleetllm:1", "registry.corp.example/other:1"]
+        )
+    ):  # fmt: skip
+        engine["image"] = image
+    names = draw(st.lists(ENV_NAMES, max_size=4, unique_by=str.upper))
+    engine["env"] = [{"name": n, "value": "x"} for n in names]
+    if vllm:
+        # Flags as written (vLLM's abbreviations are the operator's alone to read).
+        flags = [
+            "--trust-remote-code",
+            "--seed=7",
+            "--enforce-eager",
+            "--allowed-local-media-path=/x",
+        ]
+        engine["extraArgs"] = draw(st.lists(st.sampled_from(flags), max_size=2, unique=True))
+    pod: dict[str, Any] = {
+        "annotations": {k: "v" for k in draw(st.lists(ANNOTATIONS, max_size=3))},
+        "tolerations": draw(TOLERATIONS),
+    }
+    for field, values in (
+        ("serviceAccountName", ["default", "cloud-admin", "engine-reader"]),
+        ("priorityClassName", ["system-node-critical", "inference", "low"]),
+    ):
+        if value := draw(st.sampled_from([None, *values])):
+            pod[field] = value
+    spec: dict[str, Any] = {"engine": engine, "pod": pod, "replicas": draw(st.integers(0, 12))}
+    if vllm:
+        spec |= VLLM
+    if draw(st.booleans()):
+        spec["scaling"] = {"minReplicas": 0, "maxReplicas": draw(st.integers(1, 12))}
+    return _llmd(**spec)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=llmdeployments(), admin=st.booleans())
+def test_the_admission_policy_and_the_operator_refuse_the_same_rules(
+    body: dict[str, Any], admin: bool
+) -> None:
+    vap, policy = _rendered_policies(admin)
+    cr = parse_llmdeployment(copy.deepcopy(body))
+    report = review(cr, plan(cr.spec), OperatorConfig(policy=policy))
+    operator_rules = {_rule(v.rule) for v in report.violations} - OPERATOR_ONLY
+    denials = _denials(vap, {"object": body, "request": {"operation": "CREATE"}})
+    cel_rules = {_rule(m.split("policy.")[1]) for m in denials}
+    assert cel_rules == operator_rules, (denials, report.message)
 
 
 def test_the_binding_covers_the_watched_namespaces_only() -> None:

@@ -73,8 +73,10 @@ class RouterSettings:
 
     # What all clients together may make the router hold (over a cap: 503 + Retry-After).
     max_inflight_requests: int = 4096
-    max_inflight_bytes: int = 256 * MiB
-    """Request bodies being read, held or relayed, together."""
+    max_inflight_bytes: int = 128 * MiB
+    """Request bodies being read, held or relayed, together. A body costs the router about
+    four times its size while it is held (as read, as parsed, as re-encoded for the replica):
+    the default keeps a flood of the largest bodies within the chart's 1 GiB."""
 
     cache_salt_secret: bytes = b""
     """The HMAC key of the per-tenant `cache_salt`; empty: a random one per process."""

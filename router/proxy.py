@@ -187,19 +187,23 @@ class Proxy:
         request = ctx.request
         settings = self.settings
         ctx.key = self.access.authenticate(request.headers.get("Authorization"))
-        with self.inflight.hold(
-            min(request.content_length or settings.max_body_bytes, settings.max_body_bytes)
-        ) as held:
+        # Everyone's caps, then the key's own, before a byte of the body is read: a body
+        # refused costs the router nothing (and one refused for all costs the key nothing).
+        admitted = self.access.admitted(ctx.key) if ctx.key else contextlib.nullcontext()
+        with (
+            self.inflight.hold(
+                min(request.content_length or settings.max_body_bytes, settings.max_body_bytes)
+            ) as held,
+            admitted,
+        ):
             ctx.body = await read_body(
                 request, settings.max_body_bytes, settings.client_body_timeout
             )
             held.resize(len(ctx.body))
             model = self._parse(ctx)
             held.resize(len(ctx.body))
-            admitted = self.access.admitted(ctx.key) if ctx.key else contextlib.nullcontext()
-            with admitted:
-                ctx.routed = True
-                return await self._route(model, ctx)
+            ctx.routed = True
+            return await self._route(model, ctx)
 
     def _parse(self, ctx: _Context) -> ModelPool:
         """The model the body names, within the key's scope; the body as the replicas get it

@@ -33,11 +33,6 @@ from fleetllm.version import __version__
 
 log = logging.getLogger("fleetllm.router")
 
-# After an answer given before its request's body was read (413, 408), the rest of the body
-# is read and dropped for this long (so that the client sees the answer, not a reset), then
-# the connection is closed.
-LINGER_SECONDS = 1.0
-
 
 class Router:
     """The routing state and its HTTP endpoints. `app()` wraps it in an aiohttp application."""
@@ -145,13 +140,17 @@ class Router:
     def runner(self, shutdown_timeout: float = 30.0) -> web.AppRunner:
         """The application's runner: a client is cut off when its headers are late (aiohttp
         closes a connection that has no complete request when its keep-alive time passes,
-        which starts at the connection's opening and at each answer's end)."""
+        which starts at the connection's opening and at each answer's end). After an answer
+        given before its request's body was read (503 and 429 at the caps, 413, 408), the rest
+        of the body is read and dropped for as long as a body may take to arrive, then the
+        connection is closed: a client still sending a big body sees the answer, not a reset,
+        and the router holds none of it."""
         return web.AppRunner(
             self.app(),
             handler_cancellation=True,
             access_log=None,
             keepalive_timeout=self.settings.client_header_timeout,
-            lingering_time=LINGER_SECONDS,
+            lingering_time=self.settings.client_body_timeout,
             shutdown_timeout=shutdown_timeout,
         )
 

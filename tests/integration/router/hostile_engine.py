@@ -63,7 +63,8 @@ def app(mode: str) -> web.Application:
             {"object": "text_completion", "choices": [{"index": 0, "text": "ok"}]}
         )
 
-    application = web.Application()
+    # Bodies as large as the router lets through (aiohttp's default is 1 MiB).
+    application = web.Application(client_max_size=64 * MiB)
     application.router.add_get("/health", health)
     application.router.add_get("/metrics", metrics)
     application.router.add_post("/v1/completions", completions)

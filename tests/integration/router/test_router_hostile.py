@@ -1,11 +1,14 @@
-"""What one hostile replica can take from the router and the scraper that read it, measured on
-real processes: a fake engine on loopback (`hostile_engine.py`) sends a 400 MiB /metrics, a
-300 MiB answer, a 100 MiB stream event without its blank line, or nothing at all; the
-router's peak memory (psutil, sampled) stays within a generous margin of where it started,
-the client gets 502 in the error envelope, and the replica is backed off."""
+"""What one hostile replica, or one hostile client, can take from the router and the scraper
+that read it, measured on real processes: a fake engine on loopback (`hostile_engine.py`) sends
+a 400 MiB /metrics, a 300 MiB answer, a 100 MiB stream event without its blank line, or
+nothing at all; the router's peak memory (psutil, sampled) stays within a generous margin of
+where it started, the client gets 502 in the error envelope, and the replica is backed off.
+Clients sending many 15 MiB bodies at once get 429 (their key's cap) or 503 (everyone's) with
+Retry-After before the router reads those bodies, and its memory stays bounded by the caps."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -17,7 +20,7 @@ import httpx
 import psutil
 import pytest
 from local_services import free_port, stop_process
-from router_testkit import Process, metric_sum, wait_until, write_fleet
+from router_testkit import Process, async_wait_until, metric_sum, wait_until, write_fleet
 
 HERE = Path(__file__).parent
 MiB = 1 << 20
@@ -76,6 +79,14 @@ def _router(start_router: Callable[..., Process], tmp_path: Path, *urls: str) ->
     fleet = tmp_path / "fleet.json"
     write_fleet(fleet, {"m": list(urls)})
     return start_router("--fleet-file", str(fleet), "--scrape-interval", "0.2")
+
+
+def _router_with(
+    start_router: Callable[..., Process], tmp_path: Path, url: str, *args: str
+) -> Process:
+    fleet = tmp_path / "fleet.json"
+    write_fleet(fleet, {"m": [url]})
+    return start_router("--fleet-file", str(fleet), *args)
 
 
 def _complete(router: Process, stream: bool = False) -> httpx.Response:
@@ -191,3 +202,72 @@ def test_a_replica_that_never_answers_a_plain_request_is_left_for_another(
         assert response.status_code == 200
         assert response.json()["choices"][0]["text"] == "ok"
     assert _up(router, hung) == 0
+
+
+BODY_MIB = 15
+# What one admitted request may cost the router at most: its body as read, as parsed, and as
+# sent on (with its cache salt), with room to spare; the rest is the interpreter's noise.
+PER_REQUEST = 4 * 16 * MiB
+NOISE = 100 * MiB
+
+
+def _flood(router: Process, count: int, admitted: int, key: str | None) -> list[httpx.Response]:
+    """`count` requests of BODY_MIB MiB at once, to a replica that never answers: the answers
+    of those refused (all but `admitted`, which are then held at the replica). The router's
+    peak memory over the flood is checked against what `admitted` requests may cost."""
+    body = json.dumps({"model": "m", "prompt": "x" * (BODY_MIB * MiB), "max_tokens": 1})
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def in_flight() -> float:
+        text = httpx.get(f"{router.url}/metrics", headers=headers, timeout=GUARD).text
+        return metric_sum(text, "fleetllm:router_inflight")
+
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=GUARD) as client:
+            posts = [
+                asyncio.create_task(
+                    client.post(f"{router.url}/v1/completions", content=body, headers=headers)
+                )
+                for _ in range(count)
+            ]
+            await async_wait_until(
+                lambda: sum(p.done() for p in posts) == count - admitted, "the refusals", GUARD
+            )
+            await async_wait_until(lambda: in_flight() == admitted, "the held ones", GUARD)
+            refused = [p.result() for p in posts if p.done()]
+            for post in posts:
+                post.cancel()  # the held ones: their client leaves
+            await asyncio.gather(*posts, return_exceptions=True)
+            return refused
+
+    peak = PeakRss(router.proc.pid)
+    refused = asyncio.run(flood())
+    assert peak.growth() < admitted * PER_REQUEST + NOISE
+    wait_until(lambda: in_flight() == 0, "the held requests closed", GUARD)
+    return refused
+
+
+def test_one_keys_flood_of_big_bodies_is_capped_before_they_are_read(
+    hostile: Callable[[str], str], start_router: Callable[..., Process], tmp_path: Path
+) -> None:
+    # The chart's default cap per key (a key of the Secret with none of its own).
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-flood-0123456789\n")
+    router = _router_with(start_router, tmp_path, hostile("hang"), "--api-keys-file", str(keys),
+                          "--max-concurrent-per-key", "2")  # fmt: skip
+    refused = _flood(router, 16, 2, "sk-flood-0123456789")
+    assert {r.status_code for r in refused} == {429}
+    assert all(r.headers["Retry-After"] == "1" for r in refused)
+    assert refused[0].json()["error"]["type"] == "RateLimitError"
+
+
+def test_many_clients_big_bodies_are_capped_for_all_together(
+    hostile: Callable[[str], str], start_router: Callable[..., Process], tmp_path: Path
+) -> None:
+    # 48 MiB of bodies in flight: three of 15 MiB.
+    router = _router_with(start_router, tmp_path, hostile("hang"),
+                          "--max-inflight-bytes", str(48 * MiB))  # fmt: skip
+    refused = _flood(router, 16, 3, None)
+    assert {r.status_code for r in refused} == {503}
+    assert all(int(r.headers["Retry-After"]) >= 1 for r in refused)
+    assert refused[0].json()["error"]["code"] == 503

@@ -116,6 +116,15 @@ def _parser_error_status(record: logging.LogRecord) -> int | None:
 _SERVER_LOGGERS = ("aiohttp.server", "uvicorn.error")
 
 
+def filter_parser_errors() -> None:
+    """Put `ParserErrors` on the loggers of the HTTP servers (once each): every process that
+    serves HTTP calls this, whoever configures its handlers."""
+    for name in _SERVER_LOGGERS:
+        server = logging.getLogger(name)
+        server.filters[:] = [f for f in server.filters if not isinstance(f, ParserErrors)]
+        server.addFilter(ParserErrors())
+
+
 def configure_logging(
     level: str = "info", *, include_text: bool = False, stream: TextIO | None = None
 ) -> None:
@@ -125,7 +134,4 @@ def configure_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for name in _SERVER_LOGGERS:
-        server = logging.getLogger(name)
-        server.filters[:] = [f for f in server.filters if not isinstance(f, ParserErrors)]
-        server.addFilter(ParserErrors())
+    filter_parser_errors()

@@ -97,7 +97,7 @@ def _configure_logging(level: str, log_dir: Path, live: bool) -> RecentEvents | 
     """The supervisor's JSON log on stderr; with a live view, in a file of the log folder
     instead, with the latest events shown under the table. The router logs to a file."""
     from fleetllm.local.status import RecentEvents
-    from fleetllm.logs import JSONFormatter
+    from fleetllm.logs import JSONFormatter, filter_parser_errors
 
     log_dir.mkdir(parents=True, exist_ok=True)
     events = RecentEvents() if live else None
@@ -114,6 +114,8 @@ def _configure_logging(level: str, log_dir: Path, live: bool) -> RecentEvents | 
     router = logging.getLogger("fleetllm.router")
     router.handlers[:] = [router_log]
     router.propagate = False
+    # The router's server refuses malformed requests: one line each, never their bytes.
+    filter_parser_errors()
     return events
 
 

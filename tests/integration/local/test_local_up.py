@@ -87,6 +87,28 @@ def test_openai_client_chats_and_streams_through_the_router(fleet: Up) -> None:
     wait_until(lambda: line in fleet.status_path.read_text(), "the status line shows it")
 
 
+def test_a_malformed_request_is_one_warning_line_without_its_bytes(fleet: Up) -> None:
+    secret, prompt = "sk-never-logged-0123456789", "the-private-prompt-text"
+    body = f'{{"model": "{MODEL}", "prompt": "{prompt}"}}'.encode()
+    raw = (  # bare-LF line endings: the HTTP parser refuses them
+        b"POST /v1/completions HTTP/1.1\nHost: x\n"
+        + f"Authorization: Bearer {secret}\nContent-Length: {len(body)}\n\n".encode()
+        + body
+    )
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", fleet.port), timeout=30) as s:
+            s.sendall(raw)
+            assert s.recv(65536).split(b"\r\n")[0].endswith(b" 400 Bad Request")
+    (line,) = fleet.wait_for("malformed HTTP request refused")
+    assert (line["level"], line["status"], line["peer"]) == ("warning", 400, "127.0.0.1")
+    time.sleep(0.5)  # the others would have been logged by now: they are counted instead
+    assert len(fleet.find("malformed HTTP request refused")) == 1
+    logs = fleet.events_path.read_text() + "".join(
+        p.read_text(errors="replace") for p in (fleet.workdir / "logs").glob("*.log")
+    )
+    assert secret not in logs and prompt not in logs
+
+
 def test_a_killed_engine_is_restarted_and_no_request_is_dropped(fleet: Up) -> None:
     # The model's only replica: while it is down the router holds the requests.
     (engine,) = fleet.engines()

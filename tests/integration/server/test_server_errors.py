@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -363,3 +364,32 @@ def test_log_requests_text(guarded: ServerProcess) -> None:
     assert logged is not None
     assert logged["prompts"] == [prompt]
     assert logged["completions"] == [body["choices"][0]["text"]]
+
+
+def test_a_malformed_http_request_is_one_warning_line_without_its_bytes(
+    guarded: ServerProcess,
+) -> None:
+    """Even with request texts logged: a request the HTTP parser refuses (a header line
+    without a colon) is one WARNING line, rate-limited, never its bytes (its key, its
+    prompt)."""
+    prompt = "the-private-prompt-of-a-malformed-request"
+    body = json.dumps(completion(prompt=prompt)).encode()
+    raw = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+        + f"Content-Length: {len(body)}\r\nno colon {prompt}\r\n\r\n".encode()
+        + body
+    )
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", guarded.port), timeout=30) as s:
+            s.sendall(raw)
+            assert s.recv(65536).split(b"\r\n")[0].endswith(b" 400 Bad Request")
+
+    def refused() -> list[dict[str, Any]]:
+        lines = (json.loads(line) for line in guarded.log_text().splitlines())
+        return [e for e in lines if e["msg"] == "malformed HTTP request refused"]
+
+    wait_until(lambda: bool(refused()), what="the warning")
+    (line,) = refused()
+    assert (line["level"], line["status"]) == ("warning", 400)
+    text = guarded.log_text()
+    assert "s3cret" not in text and prompt not in text

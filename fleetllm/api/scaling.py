@@ -15,11 +15,13 @@ MAX_HPA_DELAY_SECONDS = 3600
 
 
 _LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
-# A Service's in-cluster name: SERVICE or SERVICE.NAMESPACE, or anything under .svc; the first
-# label starts with a letter, so no IP address matches.
+# A Service's in-cluster name: SERVICE, or SERVICE.NAMESPACE.svc[.cluster.local]; the first
+# label starts with a letter, so no IP address matches. Not SERVICE.NAMESPACE: `attacker.com`
+# has that form, and when no namespace `com` exists the cluster's DNS falls through to the
+# internet's.
 PROMETHEUS_ADDRESS_PATTERN = (
     rf"^https?://[a-z]([-a-z0-9]{{0,61}}[a-z0-9])?"
-    rf"((\.{_LABEL})?|(\.{_LABEL})*\.svc(\.cluster\.local)?)"
+    rf"((\.{_LABEL})*\.svc(\.cluster\.local)?)?"
     r"(:[0-9]{1,5})?(/\S*)?$"
 )
 
@@ -117,7 +119,7 @@ class ScalingSpec(SpecModel):
         pattern=PROMETHEUS_ADDRESS_PATTERN,
         max_length=2048,
         description="mode keda: the in-cluster Prometheus server KEDA queries "
-        "(http[s]://SERVICE[.NAMESPACE[.svc[.cluster.local]]][:PORT][/PATH]); never an IP "
+        "(http[s]://SERVICE[.NAMESPACE.svc[.cluster.local]][:PORT][/PATH]); never an IP "
         "address or an outside host, which KEDA would query with its own identity.",
     )
 

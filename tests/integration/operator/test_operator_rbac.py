@@ -59,7 +59,7 @@ CR_RESOURCE = f"{GROUP}/{VERSION}/{PLURAL}"
 HPAS = "autoscaling/v2/horizontalpodautoscalers"
 SCALEDOBJECTS = "keda.sh/v1alpha1/scaledobjects"
 HPA = {"minReplicas": 1, "maxReplicas": 3, "mode": "hpa"}
-KEDA = {"mode": "keda", "prometheusAddress": "http://prometheus.monitoring:9090"}
+KEDA = {"mode": "keda", "prometheusAddress": "http://prometheus.monitoring.svc:9090"}
 
 
 def _container_args(objects: list[dict[str, Any]], component: str) -> list[str]:

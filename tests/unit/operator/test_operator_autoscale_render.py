@@ -113,7 +113,7 @@ def test_keda_mode() -> None:
 def test_keda_mode_from_zero_activates_on_the_routers_held_requests() -> None:
     cr = deployment(
         mode="keda",
-        prometheusAddress="https://prom.example:9090/prefix",
+        prometheusAddress="https://prom.monitoring.svc:9090/prefix",
         minReplicas=0,
         scaleToZeroAfterSeconds=900,
     )
@@ -155,6 +155,10 @@ def test_the_keda_schema_check_is_strict() -> None:
             {"mode": "keda", "prometheusAddress": "https://prom.attacker.example"},
             "prometheusAddress",
         ),
+        # Two labels read as SERVICE.NAMESPACE, but the cluster's DNS falls through to the
+        # internet's for a namespace that does not exist.
+        ({"mode": "keda", "prometheusAddress": "https://attacker.example"}, "prometheusAddress"),
+        ({"mode": "keda", "prometheusAddress": "http://prom.monitoring:9090"}, "prometheusAddress"),
         ({"mode": "keda", "prometheusAddress": "http://[fd00:ec2::254]/"}, "prometheusAddress"),
         # What the HPA (under KEDA too) cannot do as the builtin mode does is refused, not
         # done otherwise in silence.

@@ -5,7 +5,8 @@ Modes (each healthy on /health, so that the router sends it traffic):
 - `answer`: a 300 MiB non-streamed answer;
 - `event`: a stream whose first event is 100 MiB with no blank line;
 - `late-event`: a stream with one token, then a 100 MiB event with no blank line;
-- `hang`: answers nothing to a completion, ever.
+- `hang`: answers nothing to a completion, ever;
+- `dribble`: sends a non-streamed answer's headers, then its body a byte every 0.1 s, forever.
 Every other path and mode answers like a tiny engine.
 """
 
@@ -47,6 +48,15 @@ def app(mode: str) -> web.Application:
             return await _stream_filler(request, 300, "application/json")
         if mode == "hang":
             await asyncio.Event().wait()
+        if mode == "dribble":
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            try:
+                while True:
+                    await response.write(b" ")
+                    await asyncio.sleep(0.1)
+            except (ConnectionResetError, ConnectionError):
+                return response
         if mode in ("event", "late-event"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)

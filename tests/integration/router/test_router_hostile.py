@@ -204,6 +204,17 @@ def test_a_replica_that_never_answers_a_plain_request_is_left_for_another(
     assert _up(router, hung) == 0
 
 
+def test_a_replica_that_dribbles_its_answer_is_cut_off_at_the_requests_deadline(
+    hostile: Callable[[str], str], start_router: Callable[..., Process], tmp_path: Path
+) -> None:
+    url = hostile("dribble")
+    router = _router_with(start_router, tmp_path, url, "--request-timeout", "3")
+    response = _complete(router)
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == 504
+    assert _up(router, url) == 0
+
+
 BODY_MIB = 15
 # What one admitted request may cost the router at most: its body as read, as parsed, and as
 # sent on (with its cache salt), with room to spare; the rest is the interpreter's noise.

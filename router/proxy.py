@@ -135,9 +135,7 @@ class Proxy:
         self.metrics = metrics
         self.log_requests = log_requests
         self.inflight = InFlight(settings.max_inflight_requests, settings.max_inflight_bytes)
-        # Router replicas that share the secret give a tenant the same salt (and so share
-        # its cache across them); without one, each process picks its own.
-        self._salt_secret = settings.cache_salt_secret or os.urandom(32)
+        self._salt_secret = _salt_secret(settings)
         self._session: aiohttp.ClientSession | None = None
         self._upstream_headers = {"Content-Type": "application/json"}
         if settings.upstream_api_key:
@@ -535,6 +533,18 @@ async def _write(out: web.StreamResponse, data: bytes) -> None:
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _salt_secret(settings: RouterSettings) -> bytes:
+    """The key of the cache salts. Router replicas that share it give a tenant the same salt,
+    and so share its cache: the one configured, else one derived from the fleet's root (which
+    every router replica of a fleet has), else a random one for this process alone."""
+    if settings.cache_salt_secret:
+        return settings.cache_salt_secret
+    if settings.engine_key_root:
+        # Apart from the engine keys, HMACs of `namespace/name/uid` under the same root.
+        return hmac.new(settings.engine_key_root, b"router cache salt", hashlib.sha256).digest()
+    return os.urandom(32)
 
 
 def _request_id(given: str | None) -> str:

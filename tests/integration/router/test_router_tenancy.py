@@ -81,14 +81,21 @@ def shared(
         engine.close()
 
 
-def _router(engines: EngineFleet, shared: Process, start_router: Any, tmp_path: Path) -> Process:
+def _router(
+    engines: EngineFleet,
+    shared: Process,
+    start_router: Any,
+    tmp_path: Path,
+    env: dict[str, str] | None = None,
+) -> Process:
     fleet_file, keys_file = tmp_path / "fleet.json", tmp_path / "keys.yaml"
     write_fleet(
         fleet_file,
         {"team-a/chat": [shared.url], "team-b/chat": [shared.url], "beta": [engines.beta.url]},
     )
     keys_file.write_text(KEYS)
-    return start_router("--fleet-file", str(fleet_file), "--api-keys-file", str(keys_file))
+    args = ("--fleet-file", str(fleet_file), "--api-keys-file", str(keys_file))
+    return start_router(*args, env=env)
 
 
 def test_a_key_reaches_only_its_scope_and_learns_nothing_of_the_rest(
@@ -154,3 +161,17 @@ def test_a_tenant_shares_its_prefix_cache_and_no_other_tenant_hits_it(
     # A client's own cache_salt is respected (and so is a shared one, when it chooses one).
     assert _cached(_post(router, "sk-a-one-0123456789", "team-a/chat", cache_salt="s1")) == 0
     assert _cached(_post(router, "sk-b-0123456789", "team-b/chat", cache_salt="s1")) > 0
+
+
+def test_router_replicas_of_one_fleet_give_a_tenant_one_cache(
+    engines: EngineFleet, shared: Process, start_router: Any, tmp_path: Path
+) -> None:
+    # Two replicas of the fleet's router (the fleet's root in their env, as the chart gives
+    # it) salt a tenant's requests alike; a router of another fleet (another root) does not.
+    fleet = {"FLEETLLM_ENGINE_KEY_ROOT": "the-fleets-root-0123456789"}
+    first, second = (_router(engines, shared, start_router, tmp_path, fleet) for _ in range(2))
+    other = _router(engines, shared, start_router, tmp_path, {"FLEETLLM_ENGINE_KEY_ROOT": "x" * 24})
+    prompt = {"prompt": "A prompt of its own, for this test alone, long enough to be cached: " * 4}
+    assert _cached(_post(first, "sk-b-0123456789", "team-b/chat", **prompt)) == 0
+    assert _cached(_post(second, "sk-b-0123456789", "team-b/chat", **prompt)) > 0
+    assert _cached(_post(other, "sk-b-0123456789", "team-b/chat", **prompt)) == 0

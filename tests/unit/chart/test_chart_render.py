@@ -393,6 +393,20 @@ def test_install_notes_tell_how_to_apply_a_model_and_reach_the_router() -> None:
     assert (ROOT / "manifests" / "examples" / "smollm2-cpu.yaml").is_file()
 
 
+def test_install_notes_recommend_namespaced_mode_for_production_when_cluster_wide() -> None:
+    def notes(*args: str) -> str:
+        return run(
+            tool("helm"), "install", "fleetllm", str(CHART), "--dry-run=client",
+            "--namespace", NAMESPACE, *args,
+        ).stdout.split("NOTES:", 1)[1]  # fmt: skip
+
+    clusterwide = notes()
+    assert "For production, prefer namespaced mode (watchNamespaces)" in clusterwide
+    assert "operator-scope admission policy" in clusterwide
+    namespaced = notes("--values", str(CHART / "ci" / "namespaced-values.yaml"))
+    assert "prefer namespaced mode" not in namespaced
+
+
 def test_helm_and_kubectl_come_from_the_virtual_environment() -> None:
     assert Path(tool("helm")).parent == Path(tool("kubectl")).parent
     assert "v4." in run(tool("helm"), "version", "--short").stdout

@@ -51,6 +51,8 @@ class Hub:
     """Files whose first transfer breaks off halfway."""
     broken_api: bool = False
     """The API answers with an HTML page (a captive proxy, say)."""
+    unhashed: set[str] = field(default_factory=set)
+    """Files listed with their size only (no git blob id, no LFS sha256)."""
     requests: list[tuple[str, dict[str, str]]] = field(default_factory=list)
     api_calls: int = 0
     url: str = ""
@@ -58,11 +60,10 @@ class Hub:
 
     def sibling(self, name: str) -> dict[str, Any]:
         data = self.files[name]
-        entry: dict[str, Any] = {
-            "rfilename": name,
-            "size": len(data),
-            "blobId": git_blob_sha1(data),
-        }
+        entry: dict[str, Any] = {"rfilename": name, "size": len(data)}
+        if name in self.unhashed:
+            return entry
+        entry["blobId"] = git_blob_sha1(data)
         if len(data) >= LFS_MIN_BYTES:
             sha = hashlib.sha256(data).hexdigest()
             entry["lfs"] = {"sha256": sha, "size": len(data), "pointerSize": 130}
@@ -449,6 +450,14 @@ def test_a_folder_another_endpoint_filled_is_fetched_again_and_checked(
     for name, data in hub.files.items():
         assert (folder / name).read_bytes() == data, name
     assert json.loads((folder / MARKER).read_text())["endpoint"] == hub.url
+
+
+def test_a_listing_without_a_files_hash_is_refused(hub: Hub, tmp_path: Path) -> None:
+    # A size alone would let other bytes of that size through: no file is taken unchecked.
+    hub.unhashed = {_shards(hub)[0]}
+    with pytest.raises(PullError, match=f"the listing gives no hash of {_shards(hub)[0]}"):
+        pull(f"hf://{REPO}", tmp_path / "m", FAST)
+    assert not list((tmp_path / "m").glob("*.safetensors"))
 
 
 def test_redirects_never_downgrade_nor_reach_link_local_addresses(hub: Hub, tmp_path: Path) -> None:

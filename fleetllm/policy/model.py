@@ -24,11 +24,16 @@ DEFAULT_REGISTRIES = [
     *sorted({f"{b.image.registry}/{b.image.repository.rpartition('/')[0]}/" for b in BUILT_IMAGES}),
     *sorted({i.rpartition(":")[0] for i in UPSTREAM_IMAGES}),
 ]
-# Names that change what code runs (the loader, the interpreter) or where weights and
-# credentials go (endpoint and proxy overrides).
+# Names that change what code runs (the loader, the interpreter; vLLM's logging config, which
+# logging.config.dictConfig reads and whose "()" entries it calls, the libraries it dlopens and
+# the binary it starts: any file the pull fetched, `*.json` included, would do) or where
+# weights and credentials go (endpoint and proxy overrides).
 DEFAULT_DENIED_ENV = [
     "LD_*",
     "PYTHON*",
+    "VLLM_LOGGING_CONFIG_PATH",
+    "*_SO_PATH",
+    "VLLM_RUST_FRONTEND_PATH",
     "*_ENDPOINT",
     "*_ENDPOINT_URL",
     "*_ENDPOINT_URL_*",
@@ -63,9 +68,17 @@ DEFAULT_DENIED_ANNOTATIONS = [
     "vault.hashicorp.com/*",
     "kubectl.kubernetes.io/default-container",
 ]
-# Engine flags that run code or read files the author picks (vLLM imports a repository's
-# Python with --trust-remote-code).
-DEFAULT_DENIED_ARGS = ["--trust-remote-code", "--allowed-local-media-path"]
+# Engine flags that run code or read files the author picks: vLLM imports a repository's
+# Python with --trust-remote-code, a file's with --tool-parser-plugin and
+# --reasoning-parser-plugin, and gives --log-config-file's JSON to logging.config.dictConfig
+# (which calls what its "()" entries name).
+DEFAULT_DENIED_ARGS = [
+    "--trust-remote-code",
+    "--allowed-local-media-path",
+    "--log-config-file",
+    "--tool-parser-plugin",
+    "--reasoning-parser-plugin",
+]
 DEFAULT_SECRET_LABEL = "fleetllm.io/engine-env"
 
 

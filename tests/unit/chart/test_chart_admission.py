@@ -162,7 +162,8 @@ ENV_NAMES = st.one_of(
         ["LD_PRELOAD", "ld_library_path", "PYTHONPATH", "PythonHome", "HF_ENDPOINT",
          "AWS_ENDPOINT_URL", "aws_endpoint_url_s3", "HTTPS_PROXY", "no_proxy", "SSL_CERT_FILE",
          "REQUESTS_CA_BUNDLE", "FLEETLLM_API_KEY", "VLLM_API_KEY", "HF_HUB_OFFLINE", "HF_TOKEN",
-         "LOG_LEVEL", "MY_ENDPOINT", "ENDPOINT"]
+         "LOG_LEVEL", "MY_ENDPOINT", "ENDPOINT", "VLLM_LOGGING_CONFIG_PATH", "VLLM_NCCL_SO_PATH",
+         "vllm_cudart_so_path", "VLLM_RUST_FRONTEND_PATH", "VLLM_NO_USAGE_STATS"]
     ),
 )  # fmt: skip
 ANNOTATIONS = st.one_of(
@@ -204,12 +205,8 @@ def llmdeployments(draw: st.DrawFn) -> dict[str, Any]:
     engine["env"] = [{"name": n, "value": "x"} for n in names]
     if vllm:
         # Flags as written (vLLM's abbreviations are the operator's alone to read).
-        flags = [
-            "--trust-remote-code",
-            "--seed=7",
-            "--enforce-eager",
-            "--allowed-local-media-path=/x",
-        ]
+        flags = ["--trust-remote-code", "--seed=7", "--enforce-eager", "--log-config-file=/x"]
+        flags += ["--allowed-local-media-path=/x", "--tool-parser-plugin=/x.py"]
         engine["extraArgs"] = draw(st.lists(st.sampled_from(flags), max_size=2, unique=True))
     pod: dict[str, Any] = {
         "annotations": {k: "v" for k in draw(st.lists(ANNOTATIONS, max_size=3))},

@@ -120,6 +120,42 @@ def test_flags_that_run_the_authors_code_are_refused() -> None:
     assert refused(cr, allowing) == {}
 
 
+def test_what_makes_vllm_run_a_pulled_file_is_refused() -> None:
+    # Any file of the author's own repository lands in the pod (a `*.json` may hold anything):
+    # vLLM hands a logging config to logging.config.dictConfig, which calls what its "()"
+    # entries name, dlopens the libraries named by *_SO_PATH, imports a plugin file.
+    planted = "/var/cache/fleetllm/models/hf/attacker/repo/main/config.json"
+    cr = cpu_deployment(
+        model={"name": "smol", "source": "hf://attacker/repo", "architecture": "SmolLM2-135M"},
+        engine={
+            "backend": "vllm",
+            "env": [
+                {"name": "VLLM_LOGGING_CONFIG_PATH", "value": planted},
+                {"name": "VLLM_NCCL_SO_PATH", "value": planted},
+                {"name": "vllm_cudart_so_path", "value": planted},
+                {"name": "VLLM_RUST_FRONTEND_PATH", "value": planted},
+                {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+            ],
+            "extraArgs": [
+                f"--log-config-file={planted}",
+                "--tool-parser-plugin", planted,
+                f"--reasoning-parser-plugin={planted}",
+                "--tool-call-parser=hermes",
+            ],
+        },
+        gpu={"type": "L4"},
+    )  # fmt: skip
+    assert refused(cr) == {
+        "spec.engine.env[0].name": "env.denied",
+        "spec.engine.env[1].name": "env.denied",
+        "spec.engine.env[2].name": "env.denied",
+        "spec.engine.env[3].name": "env.denied",
+        "spec.engine.extraArgs[0]": "extraArgs.denied",
+        "spec.engine.extraArgs[1]": "extraArgs.denied",
+        "spec.engine.extraArgs[3]": "extraArgs.denied",
+    }
+
+
 @pytest.mark.parametrize("arg", ["--trust_remote_code", "--trust-remote", "--trust-remote-c"])
 def test_a_denied_flag_is_refused_under_every_spelling_vllm_reads(arg: str) -> None:
     # vLLM's parser takes underscores and unique prefixes for the flag they name.

@@ -192,6 +192,9 @@ def test_dockerfiles_are_multi_stage_pinned_non_root_and_lint_clean(image: Any) 
     # launch (without it every kernel fails and the engine runs on torch attention).
     if image.dockerfile == "docker/engine-cuda.Dockerfile":
         assert re.search(r"apt-get install .*\bgcc\b.*\blibc6-dev\b", final)
+        # GKE's device plugin mounts the driver's libraries there without telling the loader.
+        (path,) = re.findall(r"\bLD_LIBRARY_PATH=(\S+)", final)
+        assert "/usr/local/nvidia/lib64" in path.split(":")
         assert "rm -rf /var/lib/apt/lists/*" in final
         final = re.sub(r"RUN apt-get update .*?/var/lib/apt/lists/\*", "", final)
     assert not re.search(r"apt-get|apk |pip install|gcc|build-essential|make ", final)

@@ -7,14 +7,17 @@ g2-standard-4 node the walkthrough names."""
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import yaml
-from docblocks import ROOT, blocks, run_by
+from docblocks import DOCS, ROOT, blocks, run_by
 from helmchart import pod_images
 
 from fleetllm.api.manifests import load_llmdeployments
@@ -141,3 +144,82 @@ def test_the_l4_example_fits_a_g2_standard_4() -> None:
     memory = requests["memory"]
     assert memory.endswith("Gi") and float(memory[:-2]) <= G2_STANDARD_4["memory_gib"]
     assert requests["nvidia.com/gpu"] == "1"
+
+
+def test_the_troubleshooting_pages_offline_checks_show_the_pods_so_configured(
+    scratch: Path,
+) -> None:
+    _run_page("troubleshooting.md", scratch)
+    rendered = _documents(scratch / "rendered.yaml")
+    (deployment,) = [o for o in rendered if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    images = pod_images(rendered)
+    assert images and {i for i in images if not i.startswith("registry.example.com/mirror/")} == (
+        set()
+    )
+    assert pod["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-l4"
+    assert "llama-3b-l4" in (scratch / "stdout.txt").read_text()
+
+
+CONDITIONS = ("Planned", "Progressing", "Ready", "Degraded", "ScaledToZero")
+
+
+def _status_reasons() -> dict[tuple[str, str], set[str]]:
+    """(condition, status) -> each reason operator/status.py sets (its literal tuples)."""
+    found: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for node in ast.walk(ast.parse((ROOT / "operator" / "status.py").read_text())):
+        if isinstance(node, ast.Tuple) and len(node.elts) == 4:
+            head = [e.value if isinstance(e, ast.Constant) else None for e in node.elts[:3]]
+            if head[0] in CONDITIONS and isinstance(head[1], str) and isinstance(head[2], str):
+                found[head[0], head[1]].add(head[2])
+    return found
+
+
+def _literal_reasons(call: str) -> set[str]:
+    """The reason (first argument) of every `call(...)` with a literal one in the code."""
+    found = set()
+    for path in [*(ROOT / "fleetllm").rglob("*.py"), *(ROOT / "operator").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == call
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                found.add(node.args[0].value)
+    return found
+
+
+def _table_reasons(page: str, first: str) -> dict[str, str]:
+    """First cell -> second cell of each row of the page's table whose header starts so."""
+    text = (DOCS / page).read_text()
+    table = text[text.index(f"| {first} |") :].split("\n\n", 1)[0].splitlines()[2:]
+    return {row.split(" | ")[0].strip("| `"): row.split(" | ")[1] for row in table}
+
+
+def test_the_troubleshooting_table_names_every_condition_reason_the_operator_sets() -> None:
+    code = _status_reasons()
+    assert {c for c, _ in code} == set(CONDITIONS)
+    table = _table_reasons("troubleshooting.md", "condition")
+    assert list(table) == list(CONDITIONS)
+    refusals = _literal_reasons("PlanError") | _literal_reasons("Refusal")
+    for condition, cell in table.items():
+        for part in cell.split(";"):
+            status, _, names = part.strip().partition(": ")
+            named = set(re.findall(r"`([A-Z][A-Za-z]+)`", names))
+            if (condition, status) == ("Planned", "False"):
+                # The refusals: planner.md's table lists them all (below).
+                assert named <= refusals and {"PolicyViolation", "InvalidSpec"} <= named
+                continue
+            assert named == code.pop((condition, status)), (condition, status)
+    assert set(code) == set(), "conditions the table does not list"
+
+
+def test_the_planners_refusal_table_lists_every_reason_it_refuses_with() -> None:
+    listed = {
+        name
+        for cell in _table_reasons("planner.md", "reason")
+        for name in re.findall(r"[A-Z][A-Za-z]+", cell)
+    }
+    assert listed == _literal_reasons("PlanError")

@@ -21,8 +21,12 @@ from docblocks import DOCS, ROOT, blocks, run_by
 from helmchart import pod_images
 
 from fleetllm.api.manifests import load_llmdeployments
+from fleetllm.operator.admission import review
 from fleetllm.operator.render import render
 from fleetllm.planner.plan import plan
+from fleetllm.planner.settings import OperatorConfig
+from fleetllm.policy.check import secret_refusal
+from fleetllm.policy.model import Policy
 
 PAGES = ("deployment.md", "upgrade.md", "troubleshooting.md")
 HERE = "tests/unit/test_docs_install.py"
@@ -144,6 +148,27 @@ def test_the_l4_example_fits_a_g2_standard_4() -> None:
     memory = requests["memory"]
     assert memory.endswith("Gi") and float(memory[:-2]) <= G2_STANDARD_4["memory_gib"]
     assert requests["nvidia.com/gpu"] == "1"
+
+
+def test_the_walkthroughs_hub_token_secret_passes_the_charts_policy() -> None:
+    """The example's engine reads HF_TOKEN from a Secret: the operator refuses it unless the
+    Secret carries the policy's label, so the walkthrough labels it before applying."""
+    commands = [c for b in run_by("deployment.md", E2E) for c in b.commands]
+    (create,) = [i for i, c in enumerate(commands) if "create secret generic huggingface" in c]
+    (label,) = [i for i, c in enumerate(commands) if "label secret huggingface" in c]
+    (apply,) = [i for i, c in enumerate(commands) if "apply -f manifests/examples/" in c]
+    assert create < label < apply
+    labels = dict(pair.split("=", 1) for pair in commands[label].split()[4:])
+    policy = Policy.model_validate(
+        yaml.safe_load((ROOT / "charts" / "fleetllm" / "values.yaml").read_text())["policy"]
+    )
+    (cr,) = load_llmdeployments(ROOT / "manifests" / "examples" / "llama-3.2-3b-l4-gke.yaml")
+    # The Secrets the operator reads the labels of before it applies anything.
+    report = review(cr, plan(cr.spec), OperatorConfig(policy=policy))
+    assert report.violations == [] and [ref.name for ref in report.secrets] == ["huggingface"]
+    for ref in report.secrets:
+        assert secret_refusal(ref, labels, policy) is None
+        assert secret_refusal(ref, {}, policy) is not None  # unlabelled: refused
 
 
 def test_the_troubleshooting_pages_offline_checks_show_the_pods_so_configured(

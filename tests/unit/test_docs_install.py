@@ -107,13 +107,29 @@ def test_the_upgrade_pages_offline_diff_leaves_the_engine_pods_alone(scratch: Pa
     assert _documents(scratch / "engine-pods.yaml")
 
 
+def _all_commands() -> list[tuple[str, list[str]]]:
+    """(where, commands) of every code block of the docs and the README, and the chart's
+    install notes (one block)."""
+    found = [(page.name, b.commands) for page in DOCS.glob("*.md") for b in blocks(page)]
+    found += [("README.md", b.commands) for b in blocks(ROOT / "README.md")]
+    notes = ROOT / "charts" / "fleetllm" / "templates" / "NOTES.txt"
+    found.append(("NOTES.txt", [line.strip() for line in notes.read_text().splitlines()]))
+    return found
+
+
 def test_crd_upgrades_take_over_helms_fields_and_nothing_advises_reuse_values() -> None:
-    for page in ("upgrade.md", "helm.md", "deployment.md"):
-        for block in blocks(page):
-            for command in block.commands:
-                assert "--reuse-values" not in command, (page, command)
-                if "kubectl apply" in command and "crds" in command:
-                    assert "--server-side --force-conflicts" in command, (page, command)
+    checked = 0
+    for where, commands in _all_commands():
+        for i, command in enumerate(commands):
+            assert "--reuse-values" not in command, (where, command)
+            if "kubectl apply" in command and "crds" in command:
+                assert "--server-side --force-conflicts" in command, (where, command)
+                checked += 1
+            # One apply cannot make a CRD and an object of its kind (the peering object):
+            # manifests/base only once its CRDs are established, in the same block.
+            if "-k manifests/base" in command:
+                assert any("condition=established" in c for c in commands[:i]), (where, command)
+    assert checked >= 2
 
 
 def test_manifests_base_puts_the_crds_before_every_object_of_their_kinds() -> None:

@@ -34,9 +34,13 @@ E2E = "tests/e2e"
 # What the commands reach, relative to the repository root (the run happens in a scratch
 # folder, so that the files they write stay out of the checkout).
 LINKED = (".venv", "charts", "crds", "docker", "manifests", "scripts")
-# GKE's allocatable on a g2-standard-4 (4 vCPU, 16 GB): 3920m CPU and about 12.5 GiB, less
-# its daemons (logging, the GPU device plugin, kube-proxy: about 0.5 CPU and 0.5 GiB).
-G2_STANDARD_4 = {"cpu": 3.4, "memory_gib": 12.0}
+# A g2-standard-4: 4 vCPUs, 16 GiB (Compute Engine's "GB" of memory are GiB), one L4.
+G2_STANDARD_4 = {"cpu": 4.0, "memory_gib": 16.0}
+# What the kernel keeps of a VM's memory before the kubelet sees it (its capacity).
+KERNEL_GIB = 0.5
+# GKE's system daemons on a GPU node (kube-proxy, logging, metrics, the GPU device plugin,
+# the disk driver, the metadata server): their requests, generously.
+DAEMONS = {"cpu": 0.5, "memory_gib": 0.5}
 
 
 def _documents(path: Path) -> list[dict]:
@@ -155,15 +159,62 @@ def test_manifests_base_puts_the_crds_before_every_object_of_their_kinds() -> No
     assert custom and min(custom) > max(crds)
 
 
+def _gke_reserved_cpu(cores: float) -> float:
+    """GKE's kube-reserved CPU: 6% of the first core, 1% of the next, 0.5% of the next two,
+    0.25% of the rest."""
+    shares = ((1, 0.06), (1, 0.01), (2, 0.005), (float("inf"), 0.0025))
+    reserved, left = 0.0, cores
+    for size, share in shares:
+        reserved += min(left, size) * share
+        left -= min(left, size)
+    return reserved
+
+
+def _gke_reserved_memory_gib(gib: float) -> float:
+    """GKE's kube-reserved memory (25% of the first 4 GiB, 20% of the next 4, 10% of the next
+    8, 6% of the next 112, 2% above) plus its 100 MiB eviction threshold."""
+    shares = ((4, 0.25), (4, 0.20), (8, 0.10), (112, 0.06), (float("inf"), 0.02))
+    reserved, left = 0.0, gib
+    for size, share in shares:
+        reserved += min(left, size) * share
+        left -= min(left, size)
+    return reserved + 100 / 1024
+
+
+def _quantity(value: str) -> float:
+    """CPUs, or GiB for a memory quantity."""
+    units = {"Mi": 1 / 1024, "Gi": 1.0, "m": 1 / 1000}
+    for suffix, scale in units.items():
+        if value.endswith(suffix):
+            return float(value.removesuffix(suffix)) * scale
+    return float(value)
+
+
 def test_the_l4_example_fits_a_g2_standard_4() -> None:
+    """The pod's effective request (the larger of its init container and its containers) fits
+    what GKE leaves allocatable on the node the walkthrough names, after its daemons; its
+    memory limit too, so that a replica at its limit never pushes the node into eviction."""
+    cpu = G2_STANDARD_4["cpu"] - _gke_reserved_cpu(G2_STANDARD_4["cpu"]) - DAEMONS["cpu"]
+    capacity = G2_STANDARD_4["memory_gib"] - KERNEL_GIB
+    memory = (
+        capacity - _gke_reserved_memory_gib(G2_STANDARD_4["memory_gib"]) - DAEMONS["memory_gib"]
+    )
+    assert (round(cpu, 2), round(memory, 1)) == (3.42, 12.3)  # the arithmetic, spelled out
+
     (cr,) = load_llmdeployments(ROOT / "manifests" / "examples" / "llama-3.2-3b-l4-gke.yaml")
     objects = render(cr, plan(cr.spec))
     (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
-    requests = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
-    assert float(requests["cpu"]) <= G2_STANDARD_4["cpu"]
-    memory = requests["memory"]
-    assert memory.endswith("Gi") and float(memory[:-2]) <= G2_STANDARD_4["memory_gib"]
-    assert requests["nvidia.com/gpu"] == "1"
+    assert deployment["spec"]["replicas"] == 2  # one node each: a g2-standard-4 has one L4
+    pod = deployment["spec"]["template"]["spec"]
+    (engine,) = pod["containers"]
+    for resource, free in (("cpu", cpu), ("memory", memory)):
+        init = max(_quantity(c["resources"]["requests"][resource]) for c in pod["initContainers"])
+        effective = max(init, _quantity(engine["resources"]["requests"][resource]))
+        assert effective <= free, (resource, effective, free)
+    assert _quantity(engine["resources"]["limits"]["memory"]) <= memory
+    assert engine["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    # The download's disk: far below what a default 100 GB boot disk leaves allocatable.
+    assert _quantity(engine["resources"]["requests"]["ephemeral-storage"]) <= 50
 
 
 def test_the_walkthroughs_hub_token_secret_passes_the_charts_policy() -> None:

@@ -315,3 +315,11 @@ def test_the_planners_refusal_table_lists_every_reason_it_refuses_with() -> None
         for name in re.findall(r"[A-Z][A-Za-z]+", cell)
     }
     assert listed == _literal_reasons("PlanError")
+
+
+def test_the_cuda_images_driver_note_names_the_torch_it_installs() -> None:
+    """deployment.md says which driver the CUDA image needs from the torch it pins."""
+    dockerfile = (ROOT / "docker" / "engine-cuda.Dockerfile").read_text()
+    (pin,) = re.findall(r"\btorch==(\S+)", dockerfile)
+    (named,) = re.findall(r"Its torch \((\S+)\s+from PyPI\)", (DOCS / "deployment.md").read_text())
+    assert named == pin

@@ -529,15 +529,14 @@ class LLMEngine:
                 req.finish("stop")
             elif token_id in req.user_stop_token_ids:
                 req.finish("stop", token_id)
+        # The token that stopped it is not part of its text, as in vLLM (unless asked for).
+        hidden = req.finished and not p.include_stop_str_in_output
         if req.grammar is not None and req.grammar.finished and not req.finished:
             req.finish("stop")  # the constraint is complete: only the end may follow
         text = self._texts.get(req.request_id)
-        if text is None:
-            released = ""
-            matched = False
-        else:
-            released = text.detokenizer.add(token_id)
-            matched = False
+        released, matched = "", False
+        if text is not None:
+            released = "" if hidden else text.detokenizer.add(token_id)
             if text.stops is not None:
                 check = n_out >= p.min_tokens and not req.finished
                 released, stop = text.stops.add(released, check)

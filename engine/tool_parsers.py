@@ -36,7 +36,7 @@ _SCALAR_END = re.compile(r"[,}\]\s]")
 @dataclass
 class Call:
     """A tool call as scanned: its name (None until the name's string is complete), the raw
-    text of its arguments so far, and whether that text is complete JSON."""
+    text of its arguments so far, and whether the call's JSON is complete."""
 
     name: str | None
     arguments: str
@@ -141,7 +141,7 @@ def _call_in_object(
     if key is None:
         return (Call(name, "", False) if name else None), end
     s, e = members[key]
-    return Call(name, text[s:] if e is None else text[s:e], e is not None), end
+    return Call(name, text[s:] if e is None else text[s:e], end is not None), end
 
 
 def _calls_in_sequence(

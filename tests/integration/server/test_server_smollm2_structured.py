@@ -210,8 +210,15 @@ def test_the_openai_clients_tool_loop_runs_end_to_end(
 ) -> None:
     client = openai.OpenAI(base_url=f"{servers['plain'].base_url}/v1", api_key="-", max_retries=0)
     messages: list[Any] = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    # One call: a "required" list of calls could otherwise go on as long as the context.
+    once = {"parallel_tool_calls": False, "max_tokens": 120}
     first = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER], tool_choice=tool_choice, temperature=0
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice=tool_choice,
+        temperature=0,
+        **once,
     )
     call = first.choices[0].message.tool_calls[0]
     assert call.type == "function" and call.function.name == "get_weather"
@@ -233,7 +240,12 @@ def test_the_openai_clients_tool_loop_runs_end_to_end(
     # The same first call streamed: a delta with the call's id and name, then its arguments
     # in pieces, which the client's stream helper assembles into the whole answer's call.
     with client.beta.chat.completions.stream(
-        model=MODEL, messages=messages[:1], tools=[WEATHER], tool_choice=tool_choice, temperature=0
+        model=MODEL,
+        messages=messages[:1],
+        tools=[WEATHER],
+        tool_choice=tool_choice,
+        temperature=0,
+        **once,
     ) as stream:
         for _ in stream:
             pass

@@ -117,10 +117,15 @@ def _schema(value: Any, field: str) -> dict[str, Any]:
     return value
 
 
-def _json_grammar(schema: dict[str, Any], params: StructuredOutputsParams) -> str:
+def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:
     options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
     if params.whitespace_pattern is not None:
         options["whitespace_pattern"] = params.whitespace_pattern
+    return options
+
+
+def _json_grammar(schema: dict[str, Any], params: StructuredOutputsParams) -> str:
+    options = _json_options(params)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
     except ValueError as exc:
@@ -156,7 +161,7 @@ def _structural_tag(text: str, params: StructuredOutputsParams) -> str:
             trigger = next((t for t in triggers if begin.startswith(t)), None)
             if trigger is None:
                 raise GrammarError(f"structural_tag: no trigger starts the tag {begin!r}")
-            schema = _json_grammar(_schema(s["schema"], "structural_tag"), params)
+            schema = {**_schema(s["schema"], "structural_tag"), "x-guidance": _json_options(params)}
             tags.append(
                 llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=s["end"])
             )
@@ -169,7 +174,8 @@ def _structural_tag(text: str, params: StructuredOutputsParams) -> str:
         ) from None
     if not tags:
         raise GrammarError("structural_tag has no structures")
-    return llguidance.StructTag.to_grammar(tags)
+    # Triggers are text (a model whose tags are special tokens writes them as text too).
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)
 
 
 class Grammar:

@@ -290,3 +290,12 @@ def test_additional_properties_are_closed_on_request(compiler: GrammarCompiler) 
     extra = compiler.ll_tokenizer.tokenize_str('{"b": 1}')
     assert loose.matcher.validate_tokens(extra) == len(extra)
     assert strict.matcher.validate_tokens(extra) < len(extra)
+
+
+def test_a_structural_tag_constrains_only_the_tags_content(compiler: GrammarCompiler) -> None:
+    tag = {"structures": [{"begin": "<f>", "schema": {"enum": [7]}, "end": "</f>"}]}
+    g = compiler.grammar(SO(structural_tag=json.dumps({**tag, "triggers": ["<f>"]})))
+    good = compiler.ll_tokenizer.tokenize_str("free text <f>7</f> more text")
+    bad = compiler.ll_tokenizer.tokenize_str("free text <f>8</f>")
+    assert g.matcher.validate_tokens(good) == len(good)
+    assert g.matcher.validate_tokens(bad) < len(bad)

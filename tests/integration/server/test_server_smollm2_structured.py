@@ -157,6 +157,8 @@ def servers(
     }
 
 
+# 80 requests (120 outputs) on a 135M model: minutes on a 2-core CPU, more beside other work.
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("kind", ["plain", "ngram"])
 def test_every_output_validates_against_its_schema(
     servers: dict[str, ServerProcess], kind: str

@@ -1,9 +1,11 @@
 """Turns a batch of logits into next tokens, one row per request.
 
-Order of processing (vLLM's): allowed tokens, bad words and min_tokens masking, penalties,
-the logit bias, then greedy argmax or temperature -> top-k -> top-p -> min-p -> a random draw.
-Logprobs are those of the raw model distribution, before any processing, as vLLM reports them
-by default.
+Order of processing (vLLM's): the structured-output grammar's mask (all constrained rows at
+once), then allowed tokens, bad words and min_tokens masking, penalties, the logit bias, then
+greedy argmax or temperature -> top-k -> top-p -> min-p -> a random draw. Logprobs are those
+of the distribution the model gives under the grammar, before any other processing, as vLLM
+reports them by default. A row whose masks leave no token at all is reported in
+`SampleResult.exhausted`: its request cannot go on.
 
 A failure in the work done for one row (masking, penalties, filtering, its own generator,
 logprobs) fails that row only: it is reported in `SampleResult.errors` and the other rows are
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fleetllm.engine.grammar import Grammar, apply_masks
 from fleetllm.engine.request import Logprob
 from fleetllm.engine.sampling_params import SamplingParams
 
@@ -65,6 +68,7 @@ class SamplingRow:
     generator: torch.Generator | None
     # The request's running counts when it has penalties (built from the token lists if not).
     counts: TokenCounts | None = None
+    grammar: Grammar | None = None  # its structured-output matcher, where it has one
 
 
 @dataclass
@@ -74,6 +78,8 @@ class SampleResult:
     logprobs: list[tuple[float, dict[int, Logprob]] | None]
     # Rows whose own processing raised, with what it raised; their tokens are meaningless.
     errors: dict[int, Exception] = field(default_factory=dict)
+    # Rows whose masks allowed no token; their tokens are meaningless too.
+    exhausted: set[int] = field(default_factory=set)
 
     @contextlib.contextmanager
     def guard(self, row: int) -> Iterator[None]:
@@ -174,13 +180,24 @@ def sample(
     """logits: [len(rows), vocab] float32 (modified in place). `generator` serves the rows
     without a seed of their own."""
     result = SampleResult([], [None] * len(rows))
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    try:
+        apply_masks(logits, constrained, [rows[i].grammar for i in constrained])  # type: ignore[misc]
+    except Exception as exc:
+        for i in constrained:
+            result.errors.setdefault(i, exc)
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
+    masked = constrained.copy()
     for i, row in enumerate(rows):
         if needs_processing(row):
+            masked.append(i)
             with result.guard(i):
                 process_row(logits, i, row)
+    if masked:
+        dead = logits[masked].isneginf().all(dim=-1).tolist()
+        result.exhausted = {i for i, d in zip(masked, dead, strict=True) if d}
 
     # max() returns the first maximal index like argmax, and is faster on CPU.
     tokens = logits.max(dim=-1).indices

@@ -195,9 +195,8 @@ def sample(
             masked.append(i)
             with result.guard(i):
                 process_row(logits, i, row)
-    if masked:
-        dead = logits[masked].isneginf().all(dim=-1).tolist()
-        result.exhausted = {i for i, d in zip(masked, dead, strict=True) if d}
+    # A masked row left with no token at all; read back with the tokens below.
+    dead = logits[masked].isneginf().all(dim=-1) if masked else None
 
     # max() returns the first maximal index like argmax, and is faster on CPU.
     tokens = logits.max(dim=-1).indices
@@ -229,24 +228,34 @@ def sample(
     wanted = [
         (i, row.params.logprobs) for i, row in enumerate(rows) if row.params.logprobs is not None
     ]
-    if raw_logprobs is None or not wanted:
-        result.token_ids = tokens.tolist()
-        return result
-    # Everything the logprobs need, computed for all their rows at once and read back with
-    # the tokens in a single transfer (token ids are exact in float64).
-    try:
-        figures = _logprob_figures(raw_logprobs, tokens, wanted)
-    except Exception as exc:
-        for i, _ in wanted:
-            result.errors.setdefault(i, exc)
-        result.token_ids = tokens.tolist()
-        return result
-    packed = torch.cat([tokens.double(), figures.flatten()]).tolist()
+    figures = None
+    if raw_logprobs is not None and wanted:
+        # Everything the logprobs need, computed for all their rows at once.
+        try:
+            figures = _logprob_figures(raw_logprobs, tokens, wanted)
+        except Exception as exc:
+            for i, _ in wanted:
+                result.errors.setdefault(i, exc)
+    # Tokens, exhausted flags and logprob figures come back in a single transfer (token ids
+    # are exact in float64).
+    parts = [tokens.double()]
+    if dead is not None:
+        parts.append(dead.double())
+    if figures is not None:
+        parts.append(figures.flatten())
+    packed = torch.cat(parts).tolist()
     result.token_ids = [int(t) for t in packed[: len(rows)]]
+    offset = len(rows)
+    if dead is not None:
+        flags = packed[offset : offset + len(masked)]
+        result.exhausted = {i for i, d in zip(masked, flags, strict=True) if d}
+        offset += len(masked)
+    if figures is None:
+        return result
     width = figures.shape[1]
     top_n = (width - 2) // 2
     for k, (i, n) in enumerate(wanted):
-        row_figures = packed[len(rows) + k * width : len(rows) + (k + 1) * width]
+        row_figures = packed[offset + k * width : offset + (k + 1) * width]
         with result.guard(i):
             result.logprobs[i] = _logprobs(result.token_ids[i], row_figures, n, top_n)
     return result

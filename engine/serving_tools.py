@@ -125,6 +125,9 @@ def _required_schema(tools: list[Any], parallel: bool) -> dict[str, Any]:
                 "type": "object",
                 "properties": {"name": {"enum": [tool.function.name]}, "parameters": params},
                 "required": ["name", "parameters"],
+                # Only these two keys are read back: a model left free to add keys can keep
+                # adding them until max_tokens.
+                "additionalProperties": False,
             }
         )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}

@@ -114,7 +114,13 @@ def generate(
         "max_tokens": 200,
         "stream": stream,
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
-        **({"temperature": 0.8, "seed": 7, "n": 2} if sampled else {"temperature": 0.0}),
+        # JSON lets a number run on forever, and a sampled 135M model will repeat a digit
+        # until max_tokens ("0.99999..."): the penalty a user would set stops that.
+        **(
+            {"temperature": 0.8, "seed": 7, "n": 2, "frequency_penalty": 0.5}
+            if sampled
+            else {"temperature": 0.0}
+        ),
     }
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": ask(schema)}]
@@ -222,6 +228,7 @@ def test_the_openai_clients_tool_loop_runs_end_to_end(
         temperature=0,
         **once,
     )
+    assert first.choices[0].message.tool_calls, first
     call = first.choices[0].message.tool_calls[0]
     assert call.type == "function" and call.function.name == "get_weather"
     assert call.id.startswith("call_")

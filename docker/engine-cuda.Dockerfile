@@ -39,8 +39,13 @@ RUN groupadd --system --gid 1000 fleetllm \
     && useradd --system --uid 1000 --gid fleetllm --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin fleetllm
 COPY --from=build /opt/fleetllm /opt/fleetllm
+# The driver's libraries (libcuda.so.1): the NVIDIA container toolkit (EKS, the GPU operator)
+# puts them on the linker's path itself, but GKE's device plugin only mounts them at
+# /usr/local/nvidia/lib64 and leaves finding them to the image (as NVIDIA's CUDA images do):
+# without this path torch sees no GPU and Triton finds no libcuda there.
 ENV PATH=/opt/fleetllm/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
-    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/nvidia/lib
 USER 1000:1000
 EXPOSE 8000
 ENTRYPOINT ["fleetllm"]

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from fleetllm.engine.tool_parsers import PARSERS
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -138,6 +140,25 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template (Jinja) in place of the model's: a file, or the template itself",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help='read tool calls out of the model\'s text for tool_choice "auto" (and allow '
+        '"required" and named functions); needs --tool-call-parser',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>: Hermes, "
+        "Qwen, SmolLM2) or llama3_json (Llama 3.x's JSON)",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("FLEETLLM_API_KEY"),
         help="require 'Authorization: Bearer <key>' on the API (default: $FLEETLLM_API_KEY)",
@@ -200,6 +221,8 @@ def _serve(args: argparse.Namespace) -> int:
     from fleetllm.engine.parallel import check_tensor_parallel
     from fleetllm.engine.quantization import check_quantization
     from fleetllm.engine.server import ServerSettings, run_server
+    from fleetllm.engine.serving_tools import ToolSettings
+    from fleetllm.engine.tokenizer import load_chat_template
 
     for flag, value, low in (
         ("--port", args.port, 0),
@@ -212,6 +235,8 @@ def _serve(args: argparse.Namespace) -> int:
     ):
         if value is not None and not value >= low:  # NaN included
             raise ValueError(f"{flag} must be at least {low}, got {value}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -250,6 +275,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_request_choices=args.max_request_choices,
         max_request_tokens=args.max_request_tokens,
         step_timeout=args.step_timeout,
+        chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
+        tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
     )
     return run_server(
         config,

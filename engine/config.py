@@ -125,6 +125,21 @@ class ModelConfig:
             raise ValueError(f"{path} is not valid JSON: {exc}") from None
         return cls.from_dict(data)
 
+    def context_limit(self, requested: int | None) -> int:
+        """max_model_len: the one requested, checked against the model's positions, or
+        those."""
+        limit = self.max_position_embeddings
+        if self.sliding_window is not None:
+            # The reference attention has no sliding window; within the window it is exact.
+            limit = min(limit, self.sliding_window)
+        if requested is None:
+            return limit
+        if requested > limit:
+            raise ValueError(
+                f"max_model_len={requested} exceeds the model's limit of {limit} positions"
+            )
+        return requested
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V for one token across all layers, in an unquantized cache."""
         return sizing.kv_bytes_per_token(
@@ -133,6 +148,16 @@ class ModelConfig:
             head_dim=self.head_dim,
             kv_cache_dtype="auto",
             dtype_bytes=dtype.itemsize,
+        )
+
+
+def check_kv_pool(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """A KV cache must hold at least one sequence of the full length."""
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks * block_size} tokens "
+            f"({num_blocks} blocks of {block_size}), fewer than max_model_len="
+            f"{max_model_len}: give it more blocks or lower max_model_len"
         )
 
 

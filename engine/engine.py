@@ -19,8 +19,15 @@ import torch
 
 from fleetllm.engine import kv_cache, prompt_logprobs, sizing
 from fleetllm.engine.block_manager import KVCacheManager
-from fleetllm.engine.config import EngineConfig, ModelConfig, SpeculativeConfig, resolve_dtype
+from fleetllm.engine.config import (
+    EngineConfig,
+    ModelConfig,
+    SpeculativeConfig,
+    check_kv_pool,
+    resolve_dtype,
+)
 from fleetllm.engine.executor import LocalExecutor, MultiprocExecutor, WorkerFailedError
+from fleetllm.engine.grammar import GrammarCompiler
 from fleetllm.engine.model import LlamaForCausalLM
 from fleetllm.engine.model_files import resolve_model
 from fleetllm.engine.model_runner import ModelRunner, PromptRows, StepBuilder
@@ -93,19 +100,20 @@ class LLMEngine:
                 "reason": why,
             },
         )
-        self.max_model_len = self._max_model_len(config.max_model_len, cfg)
+        self.max_model_len = cfg.context_limit(config.max_model_len)
         self.tokenizer: Tokenizer | None = None
         if not config.skip_tokenizer_init:
             self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.eos_token_ids = (
             self.tokenizer.stop_token_ids if self.tokenizer else frozenset(cfg.eos_token_ids)
         )
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, config.num_threads)
         tp = config.tensor_parallel_size
         check_tensor_parallel(cfg, tp)
         check_quantization(config.quantization, self.device)
         kv_cache.check_kv_cache_dtype(config.kv_cache_dtype, self.device)
         if config.num_kv_blocks is not None:
-            self._check_pool(config.num_kv_blocks)  # before any worker starts
+            check_kv_pool(config.num_kv_blocks, config.block_size, self.max_model_len)
         worker_spec = WorkerSpec(
             model_dir=str(self.model_dir),
             dtype=self.dtype,
@@ -125,7 +133,7 @@ class LLMEngine:
         )
         try:
             num_blocks = config.num_kv_blocks or self._blocks_from_budget()
-            self._check_pool(num_blocks)
+            check_kv_pool(num_blocks, config.block_size, self.max_model_len)
             self.kv_cache_bytes = self.executor.allocate_kv(num_blocks)  # per rank
         except BaseException:
             self.executor.shutdown()
@@ -218,6 +226,8 @@ class LLMEngine:
         req = Request(
             request_id, text, token_ids, params, self.eos_token_ids, arrival_time, cache_salt
         )
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.grammar(params.structured_outputs)
         if self.tokenizer is not None:
             self._texts[request_id] = _OutputText(
                 IncrementalDetokenizer(
@@ -301,7 +311,7 @@ class LLMEngine:
             logits = prompt_logprobs.record(logits, prompt_rows, failures)
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
-        for s, tokens, logprobs, error in self._sample(logits, sampled):
+        for s, tokens, logprobs, error, exhausted in self._sample(logits, sampled):
             req = s.request
             kept = 0
             if req.request_id in failures:
@@ -314,6 +324,9 @@ class LLMEngine:
                     kept += 1
                     if req.finished:
                         break
+                if exhausted and not req.finished:  # no token may follow
+                    req.finish("stop")
+                    req.release_text(self._held_text(req))
             except Exception as exc:
                 failures[req.request_id] = exc
                 continue
@@ -385,10 +398,11 @@ class LLMEngine:
 
     def _sample(
         self, logits: torch.Tensor, sampled: list[ScheduledRequest]
-    ) -> list[tuple[ScheduledRequest, list[int], list[Any], Exception | None]]:
+    ) -> list[tuple[ScheduledRequest, list[int], list[Any], Exception | None, bool]]:
         """New tokens (and their logprobs) per sampled request: one from a plain row, or the
         verified drafts and one more from a request's draft rows; or the exception that
-        sampling raised for that request alone."""
+        sampling raised for that request alone. Last, whether its masks left no token after
+        the ones returned."""
         plain: list[int] = []  # logits rows of requests without drafts
         drafted: list[tuple[ScheduledRequest, int]] = []  # (request, its first row)
         row = 0
@@ -398,7 +412,7 @@ class LLMEngine:
             else:
                 plain.append(row)
             row += 1 + len(s.spec_token_ids)
-        results: dict[int, tuple[list[int], list[Any], Exception | None]] = {}
+        results: dict[int, tuple[list[int], list[Any], Exception | None, bool]] = {}
         plain_requests = [s for s in sampled if not s.spec_token_ids]
         if plain_requests:
             plain_logits = logits if not drafted else logits[plain]
@@ -407,7 +421,9 @@ class LLMEngine:
             for i, (s, token_id, lp) in enumerate(
                 zip(plain_requests, result.token_ids, result.logprobs, strict=True)
             ):
-                results[id(s)] = ([token_id], [lp], result.errors.get(i))
+                exhausted = i in result.exhausted
+                tokens = [] if exhausted else [token_id]
+                results[id(s)] = (tokens, [lp][: len(tokens)], result.errors.get(i), exhausted)
         for s, first in drafted:
             drafts = s.spec_token_ids
             try:
@@ -418,12 +434,12 @@ class LLMEngine:
                     self.generator,
                 )
             except Exception as exc:
-                results[id(s)] = ([], [], exc)
+                results[id(s)] = ([], [], exc, False)
                 continue
             self._spec_drafts += 1
             self._spec_draft_tokens += len(drafts)
             self._spec_accepted_tokens += verified.num_accepted
-            results[id(s)] = (verified.token_ids, verified.logprobs, None)
+            results[id(s)] = (verified.token_ids, verified.logprobs, None, verified.exhausted)
         return [(s, *results[id(s)]) for s in sampled]
 
     def _sampling_row(self, req: Request) -> SamplingRow:
@@ -434,6 +450,7 @@ class LLMEngine:
             req.stop_token_ids,
             req.generator,
             self._token_counts(req) if req.params.has_penalties else None,
+            req.grammar,
         )
 
     def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
@@ -493,6 +510,8 @@ class LLMEngine:
         Costs the same whatever the length of the output so far."""
         now = time.monotonic()
         req.append_token(token_id)
+        if req.grammar is not None:
+            req.grammar.accept(token_id)
         self._generation_tokens += 1
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -510,13 +529,14 @@ class LLMEngine:
                 req.finish("stop")
             elif token_id in req.user_stop_token_ids:
                 req.finish("stop", token_id)
+        # The token that stopped it is not part of its text, as in vLLM (unless asked for).
+        hidden = req.finished and not p.include_stop_str_in_output
+        if req.grammar is not None and req.grammar.finished and not req.finished:
+            req.finish("stop")  # the constraint is complete: only the end may follow
         text = self._texts.get(req.request_id)
-        if text is None:
-            released = ""
-            matched = False
-        else:
-            released = text.detokenizer.add(token_id)
-            matched = False
+        released, matched = "", False
+        if text is not None:
+            released = "" if hidden else text.detokenizer.add(token_id)
             if text.stops is not None:
                 check = n_out >= p.min_tokens and not req.finished
                 released, stop = text.stops.add(released, check)
@@ -528,13 +548,18 @@ class LLMEngine:
             or req.num_tokens >= self.max_model_len
         ):
             req.finish("length")
-        if req.finished and text is not None and not matched:
-            # Release what was held back for stop strings, and a trailing partial character
-            # (as a full decode renders it).
-            if text.stops is not None:
-                released += text.stops.flush()
-            released += text.detokenizer.finish()
+        if req.finished and not matched:
+            released += self._held_text(req)
         req.release_text(released)
+
+    def _held_text(self, req: Request) -> str:
+        """A finished request's text still held back for stop strings, and a trailing
+        partial character (as a full decode renders it)."""
+        text = self._texts.get(req.request_id)
+        if text is None:
+            return ""
+        held = text.stops.flush() if text.stops is not None else ""
+        return held + text.detokenizer.finish()
 
     # -- stats and sizing -----------------------------------------------------------------
 
@@ -556,29 +581,6 @@ class LLMEngine:
             spec_decode_num_accepted_tokens=self._spec_accepted_tokens,
             attention=dict(self.executor.attention),
         )
-
-    @staticmethod
-    def _max_model_len(requested: int | None, cfg: ModelConfig) -> int:
-        limit = cfg.max_position_embeddings
-        if cfg.sliding_window is not None:
-            # The reference attention has no sliding window; within the window it is exact.
-            limit = min(limit, cfg.sliding_window)
-        if requested is None:
-            return limit
-        if requested > limit:
-            raise ValueError(
-                f"max_model_len={requested} exceeds the model's limit of {limit} positions"
-            )
-        return requested
-
-    def _check_pool(self, num_blocks: int) -> None:
-        block_size = self.config.block_size
-        if num_blocks * block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * block_size} tokens "
-                f"({num_blocks} blocks of {block_size}), fewer than max_model_len="
-                f"{self.max_model_len}: give it more blocks or lower max_model_len"
-            )
 
     def _blocks_from_budget(self) -> int:
         free = self.executor.free_memory_per_rank()

@@ -11,7 +11,7 @@ checked by the serving layer before anything reaches the engine.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic_core
 from pydantic import (
@@ -67,6 +67,20 @@ _TEXT_PART_SCHEMA = {
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
     "required": ["type", "text"],
 }
+_TOOL_CALL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+            "required": ["name"],
+        },
+    },
+    "required": ["function"],
+}
+# `content` may be null (or absent) only in an assistant message with `tool_calls`.
 _MESSAGES_SCHEMA = {
     "type": "array",
     "minItems": 1,
@@ -75,10 +89,16 @@ _MESSAGES_SCHEMA = {
         "properties": {
             "role": {"type": "string", "minLength": 1},
             "content": {
-                "anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART_SCHEMA}]
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": _TEXT_PART_SCHEMA},
+                    {"type": "null"},
+                ]
             },
+            "tool_calls": {"type": "array", "items": _TOOL_CALL_SCHEMA},
+            "tool_call_id": {"type": "string"},
         },
-        "required": ["role", "content"],
+        "required": ["role"],
     },
 }
 
@@ -117,7 +137,119 @@ class StreamOptions(OpenAIModel):
     include_usage: Bool | None = False
 
 
-class _SamplingFields(OpenAIModel):
+# -- structured outputs and tool calling (vLLM's and OpenAI's names) ------------------------
+# Shapes are checked here; whether a constraint compiles is checked by the serving layer
+# (serving_structured), against the model's tokenizer.
+# A JSON schema, as an object or as its text.
+Schema = dict[Str, Any] | Str
+MAX_TOOLS = 128
+MAX_CHOICES = 1024  # guided_choice / structured_outputs.choice entries
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's `structured_outputs`: exactly one constraint, and JSON options."""
+
+    # `json` would shadow BaseModel's method of that name.
+    json_schema: Schema | None = Field(default=None, alias="json")
+    regex: NonEmptyStr | None = None
+    choice: Annotated[list[Str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: NonEmptyStr | None = None
+    json_object: Bool | None = None
+    structural_tag: NonEmptyStr | None = None
+    disable_any_whitespace: Bool = False
+    disable_additional_properties: Bool = False
+    whitespace_pattern: NonEmptyStr | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputsRequest:
+        kinds = ("json_schema", "regex", "choice", "grammar", "json_object", "structural_tag")
+        given = [k.removesuffix("_schema") for k in kinds if getattr(self, k) is not None]
+        if len(given) != 1:
+            kinds = ("json", *kinds[1:])
+            raise ValueError(
+                f"exactly one of {', '.join(kinds)} must be set, got {', '.join(given) or 'none'}"
+            )
+        return self
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: Str = "response"
+    description: Str | None = None
+    # OpenAI calls it `schema`, which pydantic's BaseModel also names a method.
+    json_schema: dict[Str, Any] = Field(alias="schema")
+    strict: Bool | None = None
+
+
+class StructureTag(OpenAIModel):
+    begin: Str
+    structure_schema: dict[Str, Any] = Field(alias="schema")
+    end: Str
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's `response_format`, and vLLM's structural tag (its `structures` and
+    `triggers` form)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    structures: list[StructureTag] | None = None
+    triggers: list[Str] | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs the 'json_schema' field")
+        if self.type == "structural_tag" and (self.structures is None or self.triggers is None):
+            raise ValueError("type 'structural_tag' needs 'structures' and 'triggers'")
+        return self
+
+
+class GuidedFields(OpenAIModel):
+    """The constraint fields both generation endpoints take."""
+
+    structured_outputs: StructuredOutputsRequest | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's older names for structured_outputs.json, .regex, .choice and .grammar.
+    guided_json: Schema | None = None
+    guided_regex: NonEmptyStr | None = None
+    guided_choice: Annotated[list[Str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    guided_grammar: NonEmptyStr | None = None
+    guided_whitespace_pattern: NonEmptyStr | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    name: Annotated[Str, Field(min_length=1, max_length=256)]
+    description: Str | None = None
+    parameters: dict[Str, Any] | None = None
+    strict: Bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: Annotated[Str, Field(min_length=1)]
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolFields(OpenAIModel):
+    """Chat's tool-calling fields."""
+
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: Bool = True
+
+
+class _SamplingFields(GuidedFields):
     """Fields shared by completions and chat completions; None means "the default"."""
 
     model: Str | None = None
@@ -212,7 +344,7 @@ def normalize_prompt(value: Any) -> list[Prompt]:
     return prompts
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ToolFields):
     messages: Annotated[list[dict[Str, Any]], Field(min_length=1), WithJsonSchema(_MESSAGES_SCHEMA)]
     max_tokens: PositiveTokens | None = None
     max_completion_tokens: PositiveTokens | None = None
@@ -224,14 +356,6 @@ class ChatCompletionRequest(_SamplingFields):
     # tokenized without adding them again, as vLLM does, unless the client asks.
     add_special_tokens: Bool = False
     chat_template_kwargs: dict[Str, Any] | None = None
-    response_format: dict[Str, Any] | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
-        return value
 
 
 class TokenizeCompletionRequest(OpenAIModel):
@@ -249,6 +373,7 @@ class TokenizeChatRequest(OpenAIModel):
     add_special_tokens: Bool = False
     return_token_strs: Bool = False
     chat_template_kwargs: dict[Str, Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # as chat renders them
 
 
 class DetokenizeRequest(OpenAIModel):

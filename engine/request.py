@@ -14,6 +14,7 @@ import torch
 from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
+    from fleetllm.engine.grammar import Grammar
     from fleetllm.engine.sampler import TokenCounts
 
 
@@ -110,6 +111,8 @@ class Request:
         )
         self._prompt_logprobs_sent = False
         self.token_counts: TokenCounts | None = None  # for penalties, built on first use
+        # Its structured-output matcher: advanced by each kept token (the engine's to set).
+        self.grammar: Grammar | None = None
         # Text released to the caller, in pieces: since the previous output for DELTA
         # requests, all of it otherwise (joined, and collapsed to one piece, per output).
         self._text_parts: list[str] = []

@@ -1,9 +1,11 @@
 """Turns a batch of logits into next tokens, one row per request.
 
-Order of processing (vLLM's): allowed tokens, bad words and min_tokens masking, penalties,
-the logit bias, then greedy argmax or temperature -> top-k -> top-p -> min-p -> a random draw.
-Logprobs are those of the raw model distribution, before any processing, as vLLM reports them
-by default.
+Order of processing (vLLM's): the structured-output grammar's mask (all constrained rows at
+once), then allowed tokens, bad words and min_tokens masking, penalties, the logit bias, then
+greedy argmax or temperature -> top-k -> top-p -> min-p -> a random draw. Logprobs are those
+of the distribution the model gives under the grammar, before any other processing, as vLLM
+reports them by default. A row whose masks leave no token at all is reported in
+`SampleResult.exhausted`: its request cannot go on.
 
 A failure in the work done for one row (masking, penalties, filtering, its own generator,
 logprobs) fails that row only: it is reported in `SampleResult.errors` and the other rows are
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fleetllm.engine.grammar import Grammar, apply_masks
 from fleetllm.engine.request import Logprob
 from fleetllm.engine.sampling_params import SamplingParams
 
@@ -65,6 +68,7 @@ class SamplingRow:
     generator: torch.Generator | None
     # The request's running counts when it has penalties (built from the token lists if not).
     counts: TokenCounts | None = None
+    grammar: Grammar | None = None  # its structured-output matcher, where it has one
 
 
 @dataclass
@@ -74,6 +78,8 @@ class SampleResult:
     logprobs: list[tuple[float, dict[int, Logprob]] | None]
     # Rows whose own processing raised, with what it raised; their tokens are meaningless.
     errors: dict[int, Exception] = field(default_factory=dict)
+    # Rows whose masks allowed no token; their tokens are meaningless too.
+    exhausted: set[int] = field(default_factory=set)
 
     @contextlib.contextmanager
     def guard(self, row: int) -> Iterator[None]:
@@ -174,13 +180,23 @@ def sample(
     """logits: [len(rows), vocab] float32 (modified in place). `generator` serves the rows
     without a seed of their own."""
     result = SampleResult([], [None] * len(rows))
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    try:
+        apply_masks(logits, constrained, [rows[i].grammar for i in constrained])  # type: ignore[misc]
+    except Exception as exc:
+        for i in constrained:
+            result.errors.setdefault(i, exc)
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
+    masked = constrained.copy()
     for i, row in enumerate(rows):
         if needs_processing(row):
+            masked.append(i)
             with result.guard(i):
                 process_row(logits, i, row)
+    # A masked row left with no token at all; read back with the tokens below.
+    dead = logits[masked].isneginf().all(dim=-1) if masked else None
 
     # max() returns the first maximal index like argmax, and is faster on CPU.
     tokens = logits.max(dim=-1).indices
@@ -212,24 +228,34 @@ def sample(
     wanted = [
         (i, row.params.logprobs) for i, row in enumerate(rows) if row.params.logprobs is not None
     ]
-    if raw_logprobs is None or not wanted:
-        result.token_ids = tokens.tolist()
-        return result
-    # Everything the logprobs need, computed for all their rows at once and read back with
-    # the tokens in a single transfer (token ids are exact in float64).
-    try:
-        figures = _logprob_figures(raw_logprobs, tokens, wanted)
-    except Exception as exc:
-        for i, _ in wanted:
-            result.errors.setdefault(i, exc)
-        result.token_ids = tokens.tolist()
-        return result
-    packed = torch.cat([tokens.double(), figures.flatten()]).tolist()
+    figures = None
+    if raw_logprobs is not None and wanted:
+        # Everything the logprobs need, computed for all their rows at once.
+        try:
+            figures = _logprob_figures(raw_logprobs, tokens, wanted)
+        except Exception as exc:
+            for i, _ in wanted:
+                result.errors.setdefault(i, exc)
+    # Tokens, exhausted flags and logprob figures come back in a single transfer (token ids
+    # are exact in float64).
+    parts = [tokens.double()]
+    if dead is not None:
+        parts.append(dead.double())
+    if figures is not None:
+        parts.append(figures.flatten())
+    packed = torch.cat(parts).tolist()
     result.token_ids = [int(t) for t in packed[: len(rows)]]
+    offset = len(rows)
+    if dead is not None:
+        flags = packed[offset : offset + len(masked)]
+        result.exhausted = {i for i, d in zip(masked, flags, strict=True) if d}
+        offset += len(masked)
+    if figures is None:
+        return result
     width = figures.shape[1]
     top_n = (width - 2) // 2
     for k, (i, n) in enumerate(wanted):
-        row_figures = packed[len(rows) + k * width : len(rows) + (k + 1) * width]
+        row_figures = packed[offset + k * width : offset + (k + 1) * width]
         with result.guard(i):
             result.logprobs[i] = _logprobs(result.token_ids[i], row_figures, n, top_n)
     return result

@@ -23,6 +23,41 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # a single output, when the request finishes
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the output (vLLM's names and meanings): a JSON schema (`json`, as an
+    object or its text), any JSON object (`json_object`), a regular expression, one of
+    `choice`'s strings, a Lark grammar (`grammar`), or a structural tag (JSON text: triggers
+    and tags whose content follows a JSON schema). Compiled by `fleetllm.engine.grammar`."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    # JSON only: no whitespace between tokens, or this pattern for it; objects without
+    # `additionalProperties` take none.
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(STRUCTURED_KINDS)}; got {', '.join(given) or 'none'}"
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) is not None)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -51,6 +86,8 @@ class SamplingParams:
     # Token sequences never generated: the last token of each is masked wherever the output
     # ends with the ones before it (vLLM's bad_words, tokenized by the serving layer).
     bad_words_token_ids: list[list[int]] | None = None
+    # The output follows this constraint: tokens it refuses are masked before sampling.
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -144,6 +181,10 @@ class SamplingParams:
             0 <= integer("prompt_logprobs", self.prompt_logprobs) <= MAX_LOGPROBS
         ):
             fail("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            fail("structured_outputs", "must be a StructuredOutputsParams")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
         stop = self.stop

@@ -57,6 +57,7 @@ from fleetllm.engine.serving_chat import OpenAIServingChat
 from fleetllm.engine.serving_completion import OpenAIServingCompletion
 from fleetllm.engine.serving_models import ServedModels
 from fleetllm.engine.serving_tokenization import OpenAIServingTokenization
+from fleetllm.engine.serving_tools import ToolSettings
 from fleetllm.errors import APIError, error_body
 from fleetllm.logs import configure_logging
 from fleetllm.version import __version__
@@ -82,6 +83,8 @@ class ServerSettings:
     max_request_choices: int = DEFAULT_MAX_REQUEST_CHOICES
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S  # 0: no watchdog
+    chat_template: str | None = None  # in place of the model's
+    tools: ToolSettings = field(default_factory=ToolSettings)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -101,6 +104,8 @@ class ServerState:
             log_requests_text=settings.log_requests_text,
             max_request_choices=settings.max_request_choices,
             max_request_tokens=settings.max_request_tokens,
+            chat_template=settings.chat_template,
+            tools=settings.tools,
         )
         self.completion = OpenAIServingCompletion(self.serving)
         self.chat = OpenAIServingChat(self.serving)

@@ -49,6 +49,7 @@ from fleetllm.engine.request import CompletionOutput, Logprob, RequestFailedErro
 from fleetllm.engine.sampling_params import SamplingParams
 from fleetllm.engine.serving_models import ServedModels
 from fleetllm.engine.serving_sse import SSE_DONE, HeldTokens, SSEResponse, sse
+from fleetllm.engine.serving_tools import ToolSettings
 from fleetllm.engine.tokenizer import Tokenizer
 from fleetllm.errors import APIError, bad_request
 
@@ -137,8 +138,9 @@ class ChunkShape(Protocol):
         """The text choice `index` sends for this delta; empty text and no finish hold it."""
         ...
 
-    def delta_choice(self, delta: Delta) -> dict[str, Any]:
-        """The chunk's choice for `delta`."""
+    def delta_choice(self, delta: Delta) -> dict[str, Any] | None:
+        """The chunk's choice for `delta`; None when it has nothing to send yet (a tool
+        call's text still being read) and does not finish the choice."""
         ...
 
 
@@ -176,6 +178,9 @@ class OpenAIServing:
     # tokens over all of them (prompt + max_tokens each).
     max_request_choices: int = DEFAULT_MAX_REQUEST_CHOICES
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+    # --chat-template: replaces the model's own; tool calling's parser flags.
+    chat_template: str | None = None
+    tools: ToolSettings = dataclasses.field(default_factory=ToolSettings)
     # Generation requests admitted and not yet answered in full; draining waits for them.
     num_active: int = dataclasses.field(default=0, init=False)
     _token_text: dict[int, str] = dataclasses.field(default_factory=dict, init=False)
@@ -218,12 +223,18 @@ class OpenAIServing:
             return encode_all()
         return await asyncio.to_thread(encode_all)
 
-    async def render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> str:
-        """The request's messages through the chat template, on a worker thread: a
-        conversation can be megabytes."""
-        return await asyncio.to_thread(self._apply_chat_template, req)
+    async def render_chat(
+        self,
+        req: ChatCompletionRequest | TokenizeChatRequest,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The request's messages (and tools) through the chat template, on a worker thread:
+        a conversation can be megabytes."""
+        return await asyncio.to_thread(self._apply_chat_template, req, tools)
 
-    def _apply_chat_template(self, req: ChatCompletionRequest | TokenizeChatRequest) -> str:
+    def _apply_chat_template(
+        self, req: ChatCompletionRequest | TokenizeChatRequest, tools: list[dict[str, Any]] | None
+    ) -> str:
         messages = req.messages
         if req.continue_final_message and req.add_generation_prompt:
             raise bad_request(
@@ -235,9 +246,12 @@ class OpenAIServing:
         except APIError as exc:
             raise bad_request(exc.message, "messages") from None
         try:
+            # transformers passes `tools` only when there are some: templates test it.
             text = tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=req.add_generation_prompt,
+                chat_template=self.chat_template,
+                **({"tools": tools} if tools else {}),
                 **(req.chat_template_kwargs or {}),
             )
         except ValueError as exc:
@@ -384,7 +398,9 @@ class OpenAIServing:
                     self._keep_text(job, index, c.text)
                     stop_reason = c.stop_reason if finish else None
                     delta = Delta(index, text, token_ids, logprobs, finish, stop_reason)
-                    yield sse(self.body(job, shape.object, [shape.delta_choice(delta)]))
+                    chunk = shape.delta_choice(delta)
+                    if chunk is not None:
+                        yield sse(self.body(job, shape.object, [chunk]))
             if include_usage:
                 yield sse(self.body(job, shape.object, [], usage=job.usage()))
         except Exception as exc:

@@ -4,6 +4,7 @@ base."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from fleetllm.engine import serving_prompt_logprobs as prompt_logprobs
+from fleetllm.engine import serving_structured, serving_tools
 from fleetllm.engine.protocol import ChatCompletionRequest
 from fleetllm.engine.request import CompletionOutput, Logprob
 from fleetllm.engine.serving_base import (
@@ -23,6 +25,8 @@ from fleetllm.engine.serving_base import (
     choice,
 )
 from fleetllm.engine.serving_params import fit_max_tokens, sampling_params
+from fleetllm.engine.serving_tools import ToolPlan
+from fleetllm.engine.tool_parsers import CallStream
 from fleetllm.errors import bad_request
 
 OBJECT = "chat.completion"
@@ -38,7 +42,8 @@ class OpenAIServingChat:
         model = serving.models.resolve(req.model)
         job = serving.new_job("chat", "chatcmpl", model, req.n, http)
         serving.check_choices(1, req.n)
-        text = await serving.render_chat(req)
+        tool_plan, found = serving_tools.plan(req, serving.tools)
+        text = await serving.render_chat(req, tool_plan.tools)
         prompt = Prompt(text, await serving.encode(text, req.add_special_tokens))
         job.prompts.append(prompt)
         bad_words = await serving.logit_rules(req)
@@ -61,7 +66,13 @@ class OpenAIServingChat:
             renames=renames,
             bad_words_token_ids=bad_words,
             prompt_logprobs=prompt_logprobs.wanted(req),
+            structured_outputs=found.params if found else None,
         )
+        if found is not None:
+            await serving_structured.check(serving.llm.grammars, found)
+        if tool_plan.mode == "hermes":
+            # Some models' <tool_call> tags are special tokens: the parser must see them.
+            params = dataclasses.replace(params, skip_special_tokens=False)
         params = fit_max_tokens(
             params,
             len(prompt.token_ids),
@@ -70,7 +81,8 @@ class OpenAIServingChat:
         )
         serving.submit(job, [params], req.cache_salt)
         if req.stream:
-            return serving.stream(job, _ChatChunks(self, req, job.n), req.include_usage)
+            chunks = _ChatChunks(self, req, job.n, tool_plan)
+            return serving.stream(job, chunks, req.include_usage)
         outputs = await serving.collect(job, http)
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED)
@@ -78,14 +90,15 @@ class OpenAIServingChat:
         choices = []
         for index, out in enumerate(outputs):
             c = out.outputs[0]
+            message, finish_reason = serving_tools.whole_message(tool_plan, c.text, c.finish_reason)
             choices.append(
                 choice(
                     index,
-                    {"message": {"role": "assistant", "content": c.text}},
+                    {"message": message},
                     logprobs=None
                     if c.logprobs is None
                     else self.logprobs(c.token_ids, c.logprobs, top_n),
-                    finish_reason=c.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
                     token_ids={"token_ids": c.token_ids} if req.return_token_ids else None,
                 )
@@ -129,14 +142,19 @@ class OpenAIServingChat:
 
 class _ChatChunks:
     """A chat stream's chunks: each choice opens with the assistant's role, then content
-    deltas."""
+    deltas, or tool-call deltas as OpenAI sends them (a call's index, id, type and name
+    first, then its arguments in pieces)."""
 
     object = CHUNK_OBJECT
 
-    def __init__(self, endpoint: OpenAIServingChat, req: ChatCompletionRequest, n: int) -> None:
+    def __init__(
+        self, endpoint: OpenAIServingChat, req: ChatCompletionRequest, n: int, tools: ToolPlan
+    ) -> None:
         self.endpoint = endpoint
         self.req = req
         self.n = n
+        self.tools = tools
+        self.calls = [CallStream(tools.scanner()) for _ in range(n)] if tools.mode else None
 
     def opening(self) -> list[dict[str, Any]]:
         return [
@@ -157,11 +175,24 @@ class _ChatChunks:
         if delta.logprobs is not None:
             top_n = self.req.top_logprobs or 0
             logprobs = self.endpoint.logprobs(delta.token_ids, delta.logprobs, top_n)
+        body: dict[str, Any] = {"content": delta.text} if delta.text else {}
+        finish_reason = delta.finish_reason
+        if self.calls is not None:
+            calls = self.calls[delta.index]
+            content, tool_calls = calls.feed(delta.text, final=finish_reason is not None)
+            if not self.tools.parallel:
+                tool_calls = [call for call in tool_calls if call["index"] == 0]
+            body = {"content": content} if content else {}
+            if tool_calls:
+                body["tool_calls"] = tool_calls
+            if not body and finish_reason is None:
+                return None
+            finish_reason = serving_tools.finished_as(self.tools, calls.called, finish_reason)
         return choice(
             delta.index,
-            {"delta": {"content": delta.text} if delta.text else {}},
+            {"delta": body},
             logprobs=logprobs,
-            finish_reason=delta.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=delta.stop_reason,
             token_ids={"token_ids": delta.token_ids} if self.req.return_token_ids else None,
         )

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from fleetllm.engine import serving_prompt_logprobs as prompt_logprobs
+from fleetllm.engine import serving_structured
 from fleetllm.engine.protocol import CompletionRequest
 from fleetllm.engine.request import CompletionOutput, Logprob, RequestOutput
 from fleetllm.engine.serving_base import (
@@ -47,12 +48,16 @@ class OpenAIServingCompletion:
         job = serving.new_job("completion", "cmpl", model, req.n, http)
         serving.check_choices(len(req.prompt), req.n)
         bad_words = await serving.logit_rules(req)
+        found = serving_structured.constraint(req)
+        if found is not None:
+            await serving_structured.check(serving.llm.grammars, found)
         params = sampling_params(
             req,
             max_tokens=1 if score_only else req.max_tokens,
             logprobs=req.logprobs,
             bad_words_token_ids=bad_words,
             prompt_logprobs=prompt_n,
+            structured_outputs=found.params if found else None,
         )
         texts = [raw for raw in req.prompt if isinstance(raw, str)]
         encoded = iter(await serving.encode_many(texts) if texts else [])

@@ -12,7 +12,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from fleetllm.engine.protocol import ChatCompletionRequest, CompletionRequest, from_value_error
-from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
+from fleetllm.engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from fleetllm.errors import bad_request
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
@@ -36,6 +40,7 @@ def sampling_params(
     renames: Mapping[str, str] | None = None,
     bad_words_token_ids: list[list[int]] | None = None,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """Outputs come as deltas (a stream sends them as they are, a whole answer merges them).
     `logprobs`: how many alternatives each token reports (None: no
@@ -61,6 +66,7 @@ def sampling_params(
             allowed_token_ids=req.allowed_token_ids,
             bad_words_token_ids=bad_words_token_ids,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs,
             output_kind=RequestOutputKind.DELTA,
             **kwargs,
         )

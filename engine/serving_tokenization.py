@@ -19,7 +19,8 @@ class OpenAIServingTokenization:
         serving = self.serving
         serving.models.resolve(req.model)
         if isinstance(req, TokenizeChatRequest):
-            text = await serving.render_chat(req)
+            tools = [tool.model_dump(exclude_none=True) for tool in req.tools or ()]
+            text = await serving.render_chat(req, tools)
         else:
             text = req.prompt
         tokens = await serving.encode(text, add_special_tokens=req.add_special_tokens)

@@ -15,8 +15,10 @@ Verification keeps the output distribution exactly that of decoding one token at
   and renormalized, and the rest is dropped; if every draft is accepted the last row supplies
   a bonus token. So a step emits between 1 and k+1 tokens.
 
-Each row is processed (min_tokens, penalties, temperature, top-k/top-p/min-p) as if the
-drafts before it had already been emitted, so every setting keeps its meaning.
+Each row is processed (the structured-output grammar, min_tokens, penalties, temperature,
+top-k/top-p/min-p) as if the drafts before it had already been emitted, so every setting keeps
+its meaning. A request with a grammar is offered only drafts the grammar accepts, and each row
+is masked by the grammar's state after the drafts before it: a draft it refuses is rejected.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 from fleetllm.engine.config import SpeculativeConfig
+from fleetllm.engine.grammar import apply_draft_masks
 from fleetllm.engine.request import Logprob, Request
 from fleetllm.engine.sampler import (
     SamplingRow,
@@ -55,7 +58,8 @@ class NgramProposer:
         k = min(self.k, limit, room)
         if k <= 0:
             return []
-        return ngram_lookup(req.all_token_ids, self.min_n, self.max_n, k)
+        drafts = ngram_lookup(req.all_token_ids, self.min_n, self.max_n, k)
+        return drafts if req.grammar is None else req.grammar.valid_prefix(drafts)
 
 
 def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -89,6 +93,8 @@ class Verified:
     token_ids: list[int]  # accepted drafts, then the correction or bonus token
     logprobs: list[tuple[float, dict[int, Logprob]] | None]
     num_accepted: int  # drafts accepted
+    # The row after the accepted drafts allowed no token: the request cannot go on.
+    exhausted: bool = False
 
 
 def verify(
@@ -106,9 +112,17 @@ def verify(
                 counts=None if before.counts is None else before.counts.plus(draft),
             )
         )
+    if row.grammar is not None:
+        apply_draft_masks(logits, row.grammar, drafts)
     raw = torch.log_softmax(logits, dim=-1) if row.params.logprobs is not None else None
     for j, position in enumerate(positions):
         process_row(logits, j, position)
+    # A row that allows nothing ends what can be verified: the drafts from it on are dropped,
+    # and reaching it yields no token.
+    dead = _first_dead_row(logits) if _masked(row) else None
+    if dead is not None:
+        drafts, logits = drafts[:dead], logits[: dead + 1]
+        logits[dead] = 0.0  # any distribution will do: the token drawn from it is dropped
     if row.params.greedy:
         targets = logits.max(dim=-1).indices.tolist()
         accepted = 0
@@ -118,10 +132,24 @@ def verify(
     else:
         tokens = _rejection_sample(_probs(logits, row.params), drafts, row.generator or generator)
         accepted = len(tokens) - 1
+    exhausted = dead is not None and len(tokens) == dead + 1
+    if exhausted:
+        tokens.pop()
     logprobs: list[tuple[float, dict[int, Logprob]] | None] = [None] * len(tokens)
     if raw is not None:
         logprobs = list(logprob_entries(raw, tokens, row.params.logprobs or 0))
-    return Verified(tokens, logprobs, accepted)
+    return Verified(tokens, logprobs, accepted, exhausted)
+
+
+def _masked(row: SamplingRow) -> bool:
+    """Whether a row's processing can leave it no token at all."""
+    p = row.params
+    return row.grammar is not None or p.min_tokens > 0 or p.has_logit_rules
+
+
+def _first_dead_row(logits: torch.Tensor) -> int | None:
+    dead = logits.isneginf().all(dim=-1).tolist()
+    return dead.index(True) if True in dead else None
 
 
 def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

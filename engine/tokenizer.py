@@ -7,6 +7,7 @@ rendered the way transformers renders them, so prompts match what a model was tr
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -46,7 +47,6 @@ class Tokenizer:
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
         self._generation_eos_token_ids = tuple(generation_eos_token_ids)
-        self._compiled_template: jinja2.Template | None = None
 
     @classmethod
     def from_pretrained(cls, path: Path | str) -> Tokenizer:
@@ -156,25 +156,28 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render a conversation into the model's prompt text.
+        """Render a conversation into the model's prompt text, through `chat_template` if
+        given, else the model's own.
 
         Each message is a dict with a string `role` and a `content` that is a string or a list
-        of `{"type": "text", "text": ...}` parts (joined with newlines). Extra keyword
-        arguments (tools, documents, ...) are passed to the template.
+        of `{"type": "text", "text": ...}` parts (joined with newlines); an assistant message
+        that calls tools may have no content (null), and its calls' `arguments` (JSON text, as
+        OpenAI sends them) reach the template as objects, as transformers expects. Extra
+        keyword arguments (tools, documents, ...) are passed to the template.
         """
-        if self.chat_template is None:
+        source = chat_template or self.chat_template
+        if source is None:
             raise ValueError(
                 "this model has no chat template; send a plain prompt (completions) instead"
             )
         conversation = _normalize_messages(messages)
-        if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
         variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         variables.update(kwargs)
         try:
-            return self._compiled_template.render(
+            return compile_template(source).render(
                 messages=conversation, add_generation_prompt=add_generation_prompt, **variables
             )
         except jinja2.TemplateError as exc:
@@ -288,10 +291,41 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ValueError(f"{where}.role must be a non-empty string")
-        if "content" not in message:
+        entry = dict(message)
+        calls = entry.get("tool_calls")
+        if role == "assistant" and calls is not None:
+            entry["tool_calls"] = _tool_calls(calls, where)
+            if entry.get("content") is None:
+                entry["content"] = ""
+        if "content" not in entry:
             raise ValueError(f"{where} has no 'content'")
-        normalized.append({**message, "content": _content_text(message["content"], where)})
+        normalized.append({**entry, "content": _content_text(entry["content"], where)})
     return normalized
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls, their JSON `arguments` text parsed into objects."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}.tool_calls must be a list")
+    parsed = []
+    for index, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"{where}.tool_calls[{index}] must be {{'id': ..., 'type': 'function', "
+                "'function': {'name': <string>, 'arguments': <JSON text>}}"
+            )
+        arguments = function.get("arguments", "{}")  # type: ignore[union-attr]
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as exc:
+                raise ValueError(
+                    f"{where}.tool_calls[{index}].function.arguments is not JSON: {exc}"
+                ) from None
+        parsed.append({**call, "function": {**function, "arguments": arguments}})  # type: ignore[dict-item]
+    return parsed
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -346,7 +380,23 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def load_chat_template(value: str) -> str:
+    """--chat-template's value, as vLLM reads it: the template itself when it holds a brace
+    or a newline, else the path of a file holding it. Checked by compiling it."""
+    if any(ch in value for ch in "{}\n"):
+        source = value
+    else:
+        path = Path(value)
+        if not path.is_file():
+            raise ValueError(f"--chat-template: {value} is not a file, nor a template")
+        source = path.read_text(encoding="utf-8")
+    compile_template(source)
+    return source
+
+
+@functools.lru_cache(maxsize=16)
+def compile_template(source: str) -> jinja2.Template:
+    """A chat template, compiled once; a syntax error is a ValueError."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag]
     )

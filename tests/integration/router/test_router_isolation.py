@@ -72,7 +72,7 @@ BAD: list[tuple[str, str, Any]] = [
     ("stop-a-number", C, {"prompt": "hi", "stop": 7}),
     ("stream-options-wrong", C, {"prompt": "hi", "stream": True, "stream_options": []}),
     ("prompt-logprobs-huge", C, {"prompt": "hi", "prompt_logprobs": 10**6}),
-    ("response-format-json", CC, {"messages": CHAT, "response_format": {"type": "json_object"}}),
+    ("response-format-xml", CC, {"messages": CHAT, "response_format": {"type": "xml"}}),
     ("chat-template-kwargs-list", CC, {"messages": CHAT, "chat_template_kwargs": []}),
 ]
 

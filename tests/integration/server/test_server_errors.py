@@ -110,7 +110,7 @@ MALFORMED: list[tuple[str, str, str, Any, int, str | None, str | None]] = [
     ("chat-max-completion-zero", "POST", CHAT, chat(max_completion_tokens=0), 400,
      "max_completion_tokens", None),
     ("chat-logprobs-int", "POST", CHAT, chat(logprobs=3), 400, "logprobs", None),
-    ("chat-json-mode", "POST", CHAT, chat(response_format={"type": "json_object"}), 400,
+    ("chat-unknown-response-format", "POST", CHAT, chat(response_format={"type": "xml"}), 400,
      "response_format", None),
     ("chat-unknown-model", "POST", CHAT, chat(model="gpt-4"), 404, "model", None),
     ("chat-too-long", "POST", CHAT,

@@ -14,13 +14,25 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from chart_operator import operator_config
+from examples import ALL_EXAMPLES
 from helmchart import CHART, by_kind, one, render, run, tool, validate
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.operator.render import render as render_children
 from fleetllm.planner.plan import plan
-from fleetllm.planner.pod_settings import PodSettingsError, parse_pod_settings
-from fleetllm.planner.settings import OperatorConfig
+from fleetllm.planner.pod_settings import (
+    MAX_FAILURES,
+    MAX_PROBE_TIMEOUT_SECONDS,
+    MAX_ROLLOUT,
+    MAX_STARTUP_EXTRA,
+    RESERVED_MOUNTS,
+    RESERVED_VOLUMES,
+    PodSettingsError,
+    parse_pod_settings,
+)
+from fleetllm.planner.settings import ModelCache, OperatorConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -113,6 +125,18 @@ def test_the_default_settings_change_nothing() -> None:
             "the engine's own",
         ),
         ({"runtimeClass": "nvidia"}, "unknown field runtimeClass"),
+        ({"probes": {"startupExtraSeconds": 86401}}, "probes.startupExtraSeconds must be 0 to"),
+        ({"rollout": {"maxSurge": 1001}}, "rollout.maxSurge must be 0 to 1000"),
+        (
+            {
+                "extraVolumes": [{"name": "x", "emptyDir": {}}],
+                "extraVolumeMounts": [
+                    {"name": "x", "mountPath": "/data"},
+                    {"name": "x", "mountPath": "/data/"},
+                ],
+            },
+            "'/data/' twice",
+        ),
     ],
 )
 def test_bad_engine_pod_settings_are_refused_by_the_operator(
@@ -136,6 +160,7 @@ def test_the_router_budget_never_blocks_a_drain(replicas: int, min_available: in
         f"router.replicas={replicas}",
         f"router.podDisruptionBudget.minAvailable={min_available}",
     )
+    assert validate(objects) == []
     (pdb,) = by_kind(objects, "PodDisruptionBudget")
     spec = pdb["spec"]
     assert spec["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
@@ -225,3 +250,111 @@ def test_install_notes_name_the_engine_pull_secrets_and_the_download_disk() -> N
     assert "ephemeral storage" not in gpu  # it has a model cache
     plain = notes("ingress-values.yaml")
     assert "Secrets" not in plain and "ephemeral storage" in plain
+
+
+def test_the_schemas_bounds_are_the_operators() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    pod = schema["properties"]["engine"]["properties"]["pod"]["properties"]
+    rollout, probes = pod["rollout"]["properties"], pod["probes"]["properties"]
+    assert {rollout[k]["maximum"] for k in ("maxSurge", "maxUnavailable")} == {MAX_ROLLOUT}
+    assert probes["timeoutSeconds"]["maximum"] == MAX_PROBE_TIMEOUT_SECONDS
+    for key in ("livenessFailureThreshold", "readinessFailureThreshold"):
+        assert probes[key]["maximum"] == MAX_FAILURES
+    assert probes["startupExtraSeconds"]["maximum"] == MAX_STARTUP_EXTRA
+
+
+# Mostly valid values, so that fuzzed settings often pass every check but one: names from a
+# small pool (so that mounts find their volumes), numbers small or far out of bounds.
+_NAMES = st.sampled_from(["a", "b", "a", "b", "dshm", "Bad_Name"])
+_NUMBERS = st.one_of(st.integers(1, 9), st.integers(-2, 2**40), st.booleans())
+_PROBES = ("timeoutSeconds", "livenessFailureThreshold", "readinessFailureThreshold")
+_SETTINGS = st.fixed_dictionaries(
+    {},
+    optional={
+        "runtimeClassName": st.one_of(st.sampled_from(["", "nvidia", "NVIDIA"]), st.text()),
+        "shmSize": st.one_of(
+            st.from_regex(r"[0-9]{1,5}(\.[0-9])?(Mi|Gi|Ti)?", fullmatch=True), st.text(max_size=6)
+        ),
+        "rollout": st.fixed_dictionaries(
+            {}, optional={"maxSurge": _NUMBERS, "maxUnavailable": _NUMBERS}
+        ),
+        "probes": st.fixed_dictionaries(
+            {}, optional={key: _NUMBERS for key in (*_PROBES, "startupExtraSeconds")}
+        ),
+        "extraEnv": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "name": st.sampled_from(["HTTPS_PROXY", "HOME", "HF_TOKEN", "1X"]),
+                    "value": st.text(max_size=5),
+                }
+            ),
+            max_size=3,
+        ),
+        "extraVolumes": st.lists(
+            st.fixed_dictionaries({"name": _NAMES, "emptyDir": st.just({})}), max_size=3
+        ),
+        "extraVolumeMounts": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "name": _NAMES,
+                    "mountPath": st.sampled_from(["/data", "/data/", "/x", "/tmp", "relative"]),
+                }
+            ),
+            max_size=3,
+        ),
+    },
+)
+
+
+def _unique(items: list[dict[str, Any]], key: str) -> bool:
+    values = [str(item[key]).rstrip("/") for item in items]
+    return len(values) == len(set(values))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_SETTINGS)
+@example({"probes": {"startupExtraSeconds": 2**40, "timeoutSeconds": 10**6}})
+@example(
+    {
+        "extraVolumes": [{"name": "a", "emptyDir": {}}],
+        "extraVolumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x/"}],
+    }
+)
+def test_any_engine_pod_settings_are_refused_by_name_or_render_a_valid_pod(
+    given_settings: dict[str, Any],
+) -> None:
+    """Fuzzed: settings the operator takes render a Deployment the API server takes (schema,
+    and the uniqueness the schema cannot say); others are refused with a PodSettingsError."""
+    try:
+        pod_settings = parse_pod_settings(json.dumps(given_settings))
+    except PodSettingsError:
+        return
+    deployment = _engine_deployment(OperatorConfig(pod=pod_settings))
+    for version in ("1.30", "1.37"):
+        kubernetes_validate.validate(deployment, version, strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    assert _unique(pod["volumes"], "name")
+    for container in [*pod.get("initContainers", []), *pod["containers"]]:
+        assert _unique(container["volumeMounts"], "mountPath")
+        assert _unique(container["env"], "name")
+    probe = pod["containers"][0]["startupProbe"]
+    assert probe["failureThreshold"] < 2**31 and probe["timeoutSeconds"] <= 3600
+
+
+def test_every_volume_and_path_the_renderer_uses_is_reserved_from_the_admins_extras() -> None:
+    """An extra volume or mount may not take a name or a path of the engine's own: the
+    reserved sets must hold every one the renderer makes, under every configuration."""
+    configs = [OperatorConfig(), OperatorConfig(model_cache=ModelCache("cache-claim"))]
+    seen_volumes, seen_paths = set(), set()
+    for config in configs:
+        for path in ALL_EXAMPLES:
+            for cr in load_llmdeployments(path):
+                for obj in render_children(cr, plan(cr.spec, config), config):
+                    if obj["kind"] != "Deployment":
+                        continue
+                    pod = obj["spec"]["template"]["spec"]
+                    seen_volumes |= {v["name"] for v in pod["volumes"]}
+                    for container in [*pod.get("initContainers", []), *pod["containers"]]:
+                        seen_paths |= {m["mountPath"] for m in container["volumeMounts"]}
+    assert seen_volumes <= RESERVED_VOLUMES, seen_volumes - RESERVED_VOLUMES
+    assert seen_paths <= RESERVED_MOUNTS, seen_paths - RESERVED_MOUNTS

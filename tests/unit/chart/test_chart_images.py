@@ -5,8 +5,11 @@ leaves engine pods as they are."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 import subprocess
 import sys
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +17,19 @@ import pytest
 import yaml
 from chart_operator import operator_config
 from examples import ALL_EXAMPLES
-from helmchart import by_kind, pod_images, render
+from helmchart import CHART, NAMESPACE, RELEASE, by_kind, documents, pod_images, render, run, tool
 
+from fleetllm.api.contract import ANNOTATION_APPLIED as APPLIED_HASH
 from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.images import (
+    CONTROL_PLANE,
     CONTROL_PLANE_IMAGE,
     DEFAULT_ENGINE_IMAGES,
     MODEL_PULL_IMAGE,
     VLLM_VERSION,
     engine_images,
 )
+from fleetllm.operator.admission import review
 from fleetllm.operator.render import render as render_children
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.plan import plan
@@ -79,12 +85,20 @@ def test_a_mirror_moves_every_image_of_the_chart_and_of_every_engine_pod() -> No
         len(load_llmdeployments(p)) for p in EXAMPLES
     )
     images = pod_images(objects) | pod_images(children)
-    assert len(images) >= 5  # control plane, cpu, cuda, vLLM, model pull
     assert {image for image in images if not image.startswith(f"{MIRROR}/")} == set()
+    # Every image is used, each moved: the control plane, the builtin engine on CPU and on
+    # CUDA, vLLM's GPU and CPU images, the model pull (the chart's templates moved them; the
+    # operator's own code moves them alike).
+    assert images == {CONTROL_PLANE.moved(MIRROR).reference, *astuple(engine_images(MIRROR))}
     assert f"{MIRROR}/vllm/vllm-openai:v{VLLM_VERSION}" in images
     assert f"{MIRROR}/q9t5s3a7/vllm-cpu-release-repo:v{VLLM_VERSION}" in images
     for pod in _pod_specs(objects) + _pod_specs(children):
         assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror-auth"}]
+    # The chart's policy lets the operator run its own mirrored images.
+    for path in EXAMPLES:
+        for cr in load_llmdeployments(path):
+            report = review(cr, plan(cr.spec, config), config)
+            assert [v for v in report.violations if v.rule == "allowedImageRegistries"] == []
 
 
 def test_each_image_takes_its_own_repository_tag_and_digest() -> None:
@@ -116,6 +130,62 @@ def test_an_operator_only_upgrade_leaves_every_engine_pod_as_it_is() -> None:
     # The init container has a version of its own: no child names the control plane image.
     assert not {i for i in pod_images(children_after) if "control-plane" in i}
     assert MODEL_PULL_IMAGE in pod_images(children_after)
+
+
+def _chart_release(tmp_path: Path, version: str) -> list[dict[str, Any]]:
+    """The chart as a release of `version` would render it (Chart.yaml's version and
+    appVersion moved, nothing else)."""
+    chart = tmp_path / f"chart-{version}"
+    shutil.copytree(CHART, chart)
+    meta = yaml.safe_load((chart / "Chart.yaml").read_text())
+    meta["version"] = meta["appVersion"] = version
+    (chart / "Chart.yaml").write_text(yaml.safe_dump(meta))
+    rendered = run(tool("helm"), "template", RELEASE, str(chart), "--namespace", NAMESPACE)
+    return documents(rendered.stdout)
+
+
+def _without_engine_version(obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` with the builtin engine images' version and the hash of what is applied blanked."""
+    text = json.dumps(obj)
+    for version in ("0.1.0", "0.2.0"):
+        text = text.replace(f"fleetllm/engine:{version}", "fleetllm/engine:VERSION")
+    blank = json.loads(text)
+    blank["metadata"].get("annotations", {}).pop(APPLIED_HASH, None)
+    return blank
+
+
+def test_a_new_release_restarts_only_the_builtin_engines_whose_image_moves(
+    tmp_path: Path,
+) -> None:
+    """A real upgrade moves appVersion: the control plane and the builtin engine images follow
+    it; vLLM's images and the model-pull image do not. Only pods that run the builtin engine
+    image restart: builtin engines, and the init container that converts the built-in model
+    for vLLM (from the package in that image: no download). No other vLLM pod restarts, and no
+    download runs again."""
+    before = _children(_operator_config(_chart_release(tmp_path, "0.1.0")))
+    after = _children(_operator_config(_chart_release(tmp_path, "0.2.0")))
+    assert [_without_engine_version(o) for o in before] == [
+        _without_engine_version(o) for o in after
+    ]
+    restarted, pulls_seen = [], 0
+    for old, new in zip(by_kind(before, "Deployment"), by_kind(after, "Deployment"), strict=True):
+        pods = [d["spec"]["template"]["spec"] for d in (old, new)]
+        containers = [[*p.get("initContainers", []), *p["containers"]] for p in pods]
+        pulls = [[c for c in cs if "/model-pull:" in c["image"]] for cs in containers]
+        assert pulls[0] == pulls[1]
+        pulls_seen += len(pulls[0])
+        if old["spec"]["template"] != new["spec"]["template"]:
+            assert any("fleetllm/engine:" in c["image"] for c in containers[0])
+            restarted.append(old["metadata"]["name"])
+    builtin_image = {
+        f"{cr.metadata.name}-engine"
+        for path in EXAMPLES
+        for cr in load_llmdeployments(path)
+        if cr.spec.engine.backend == "builtin" or cr.spec.model.source.startswith("builtin://")
+    }
+    assert sorted(restarted) == sorted(builtin_image)
+    assert pulls_seen >= 2
+    assert len(by_kind(before, "Deployment")) > len(restarted)  # vLLM pods of other models stay
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -170,6 +170,8 @@ def test_the_schemas_choices_are_the_codes() -> None:
         ("engine.pod.shmSize=lots", "shmSize"),
         ("engine.pod.runtimeClassName=NVIDIA", "runtimeClassName"),
         ("engine.pod.probes.timeoutSeconds=0", "timeoutSeconds"),
+        ("engine.pod.probes.startupExtraSeconds=86401", "startupExtraSeconds"),
+        ("engine.pod.rollout.maxUnavailable=1001", "maxUnavailable"),
         ("engine.pod.extraVolumes[0].name=cache", "extraVolumes"),
         ("engine.pod.unknown=1", "unknown"),
         ("global.imageRegistry=https://mirror", "imageRegistry"),

@@ -28,6 +28,7 @@ from fleetllm.api.catalog import (
     GPU_TYPES,
     KARPENTER_GPU_MEMORY_LABEL,
     KARPENTER_GPU_NAME_LABEL,
+    GPUType,
 )
 from fleetllm.api.deployment import LLMDeployment, LLMDeploymentSpec
 from fleetllm.api.manifests import load_llmdeployments
@@ -192,6 +193,9 @@ def test_dockerfiles_are_multi_stage_pinned_non_root_and_lint_clean(image: Any) 
     # launch (without it every kernel fails and the engine runs on torch attention).
     if image.dockerfile == "docker/engine-cuda.Dockerfile":
         assert re.search(r"apt-get install .*\bgcc\b.*\blibc6-dev\b", final)
+        # GKE's device plugin mounts the driver's libraries there without telling the loader.
+        (path,) = re.findall(r"\bLD_LIBRARY_PATH=(\S+)", final)
+        assert "/usr/local/nvidia/lib64" in path.split(":")
         assert "rm -rf /var/lib/apt/lists/*" in final
         final = re.sub(r"RUN apt-get update .*?/var/lib/apt/lists/\*", "", final)
     assert not re.search(r"apt-get|apk |pip install|gcc|build-essential|make ", final)
@@ -323,6 +327,23 @@ def _schedulable(pod: dict[str, Any], node_labels: dict[str, str]) -> bool:
     return False
 
 
+def _gfd_labels(gpu: GPUType) -> dict[str, str]:
+    return {GPU_PRODUCT_LABEL: gpu.product_label} if gpu.product_label else {}
+
+
+def _gke_labels(gpu: GPUType) -> dict[str, str]:
+    return {GKE_ACCELERATOR_LABEL: gpu.gke_accelerator} if gpu.gke_accelerator else {}
+
+
+def _karpenter_labels(gpu: GPUType) -> dict[str, str]:
+    if not gpu.karpenter_name:
+        return {}
+    return {
+        KARPENTER_GPU_NAME_LABEL: gpu.karpenter_name,
+        KARPENTER_GPU_MEMORY_LABEL: str(gpu.memory_mib),
+    }
+
+
 def test_the_auto_profile_avoids_nodes_labelled_as_another_gpu() -> None:
     config = OperatorConfig()
     assert config.gpu_profile == "auto"
@@ -336,12 +357,13 @@ def test_the_auto_profile_avoids_nodes_labelled_as_another_gpu() -> None:
         for other in GPU_TYPES.values():
             if not other.is_gpu:
                 continue
-            labels = {GPU_PRODUCT_LABEL: other.product_label} if other.product_label else {}
-            if other.gke_accelerator:
-                labels[GKE_ACCELERATOR_LABEL] = other.gke_accelerator
-            fits = _schedulable(pod, labels)
-            same = other.product_label == gpu.product_label
-            assert fits == same, (cr.metadata.name, other.name)
+            # A node as each labeller marks it: it fits only where the labels are the planned
+            # GPU's (Karpenter names both A100s alike: their memory label differs).
+            for family in (_gfd_labels, _gke_labels, _karpenter_labels):
+                labels = family(other)
+                if labels:
+                    fits = _schedulable(pod, labels)
+                    assert fits == (labels == family(gpu)), (cr.metadata.name, labels)
         checked += 1
     assert checked >= 3
 

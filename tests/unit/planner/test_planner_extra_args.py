@@ -140,3 +140,29 @@ def test_any_extra_args_either_reach_the_engine_unrefused_or_are_refused(
     parse_serve_args(planned.args)  # the engine reads them
     base = planned.args[: len(planned.args) - len(extra)]
     assert not set(flags_changed(base, extra)) & set(OWNED_FLAGS)
+
+
+@pytest.mark.parametrize("backend", ["builtin", "vllm"])
+def test_tool_calling_and_chat_template_flags_pass_for_both_backends(backend: str) -> None:
+    """vLLM's tool-calling flags, which the builtin engine has too, under the same names."""
+    extra = [
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--chat-template",
+        "/models/tools.jinja",
+    ]
+    planned = plan(spec(CPU, backend=backend, extraArgs=extra))
+    assert list(planned.args[-5:]) == extra
+    if backend == "builtin":
+        read = parse_serve_args(planned.args)
+        assert read["enable_auto_tool_choice"] is True
+        assert (read["tool_call_parser"], read["chat_template"]) == (
+            "hermes",
+            "/models/tools.jinja",
+        )
+
+
+def test_a_tool_call_parser_the_builtin_engine_lacks_is_refused() -> None:
+    with pytest.raises(PlanError, match="invalid choice: 'mistral'"):
+        plan(spec(CPU, extraArgs=["--tool-call-parser", "mistral"]))

@@ -197,6 +197,7 @@ class Router:
                 "owned_by": "fleetllm",
                 "root": name,
                 "parent": None,
+                "max_model_len": self.pool.models[name].max_model_len(),
             }
             for name in visible((m.route for m in self.pool.models.values()), scope)
         ]

@@ -40,7 +40,6 @@ KNOWN: dict[str, str] = {
     "cmpl-beam-search": "beam search is not served (400 naming use_beam_search)",
     "chat-beam-search": "beam search is not served (400 naming use_beam_search)",
     "cmpl-stream-echo-logprobs": "prompt logprobs come in whole answers only",
-    "chat-stream-prompt-logprobs": "prompt logprobs come in whole answers only",
     "responses": "the builtin engine does not serve the Responses API",
     "anthropic-messages": "the builtin engine does not serve the Anthropic Messages API",
     "anthropic-count-tokens": "the builtin engine does not serve the Anthropic Messages API",

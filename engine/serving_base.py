@@ -53,6 +53,7 @@ from fleetllm.engine.serving_params import truncate_prompt
 from fleetllm.engine.serving_sse import SSE_DONE, HeldTokens, SSEResponse, sse
 from fleetllm.engine.tokenizer import Tokenizer
 from fleetllm.errors import APIError, bad_request
+from fleetllm.version import __version__
 
 log = logging.getLogger("fleetllm.engine.requests")
 
@@ -63,6 +64,8 @@ INLINE_TOKENIZE_CHARS = 2048
 # JSON has no -inf; vLLM reports impossible tokens with this floor.
 MIN_LOGPROB = -9999.0
 CLIENT_CLOSED = 499
+# OpenAI's field for the backend that answered (vLLM names its own version there too).
+SYSTEM_FINGERPRINT = f"fleetllm-{__version__}"
 
 
 @dataclasses.dataclass
@@ -449,6 +452,7 @@ class OpenAIServing:
             "created": job.created,
             "model": job.model,
             "choices": choices,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
         }
         if usage is not None:
             body["usage"] = usage

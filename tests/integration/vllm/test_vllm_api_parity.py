@@ -39,7 +39,12 @@ TIMEOUT = 300.0
 KNOWN: dict[str, str] = {
     "cmpl-beam-search": "beam search is not served (400 naming use_beam_search)",
     "chat-beam-search": "beam search is not served (400 naming use_beam_search)",
+    "cmpl-priority": "first come, first served: a priority it would ignore is refused",
     "cmpl-stream-echo-logprobs": "prompt logprobs come in whole answers only",
+    "cmpl-null-n": "null means the default for every optional field here; vLLM refuses it",
+    "cmpl-null-ignore-eos": "null means the default for every optional field here",
+    "chat-null-ignore-eos": "null means the default for every optional field here",
+    "cmpl-n2-greedy": "n greedy choices (all the same) here; vLLM refuses n > 1 when greedy",
     "responses": "the builtin engine does not serve the Responses API",
     "anthropic-messages": "the builtin engine does not serve the Anthropic Messages API",
     "anthropic-count-tokens": "the builtin engine does not serve the Anthropic Messages API",

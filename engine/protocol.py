@@ -1,10 +1,12 @@
 """Request models of the engine's OpenAI-compatible API: the edge where client input is checked.
 
-Field names, defaults and error shapes follow vLLM's OpenAI server. Unknown fields are ignored,
-as OpenAI does. Types are strict (a string is not a number), numbers must be finite (no NaN or
-Infinity), integers fit in 64 bits, and each sampling field carries its bounds, so a malformed
-request is answered with a 400 that names the offending field rather than being coerced into
-something else, and the models' JSON schemas (served in /openapi.json) say what is accepted.
+Field names, defaults and error shapes follow vLLM's OpenAI server. Fields outside a model are
+kept aside (`model_extra`) for `request_fields`, which refuses vLLM's that the engine does not
+serve and logs unknown ones, then ignores them as OpenAI does. Types are strict (a string is
+not a number), numbers must be finite (no NaN or Infinity), integers fit in 64 bits, and each
+sampling field carries its bounds, so a malformed request is answered with a 400 that names
+the offending field rather than being coerced into something else, and the models' JSON
+schemas (served in /openapi.json) say what is accepted.
 What needs the loaded model (token ids against the vocabulary, lengths against the context) is
 checked by the serving layer before anything reaches the engine.
 """
@@ -115,7 +117,7 @@ def _nullable_optionals(schema: dict[str, Any], model: type[BaseModel]) -> None:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_nullable_optionals)
+    model_config = ConfigDict(extra="allow", json_schema_extra=_nullable_optionals)
 
     @model_validator(mode="before")
     @classmethod
@@ -284,6 +286,12 @@ class _SamplingFields(GuidedFields):
     # Prefix-cache blocks are shared only among requests with the same salt (vLLM's field):
     # tenants that must not learn about each other's prompts through cache timing use their own.
     cache_salt: NonEmptyStr | None = None
+    # vLLM's: keep this many prompt tokens (-1: as many as leave one for the output), from
+    # `truncation_side` (the tokenizer's, "right" by default: the first ones).
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # The answer's id ("cmpl-<request_id>"), as vLLM takes it.
+    request_id: Annotated[NonEmptyStr, Field(max_length=256)] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -300,6 +308,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: Logprobs | None = None
     echo: Bool = False
     suffix: Str | None = None
+    add_special_tokens: Bool = True
 
     @field_validator("prompt")
     @classmethod
@@ -356,6 +365,14 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     # tokenized without adding them again, as vLLM does, unless the client asks.
     add_special_tokens: Bool = False
     chat_template_kwargs: dict[Str, Any] | None = None
+    # vLLM's: the last message's content leads the answer, when the answer continues it.
+    echo: Bool = False
+    # Given to the chat template, as vLLM does: RAG documents, and the reasoning effort (with
+    # `enable_thinking`, for templates that take that instead).
+    documents: list[dict[Str, Str]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
 
 
 class TokenizeCompletionRequest(OpenAIModel):

@@ -46,12 +46,15 @@ from fleetllm.engine.protocol import (
     from_value_error,
 )
 from fleetllm.engine.request import CompletionOutput, Logprob, RequestFailedError, RequestOutput
+from fleetllm.engine.request_fields import FieldPolicy
 from fleetllm.engine.sampling_params import SamplingParams
 from fleetllm.engine.serving_models import ServedModels
+from fleetllm.engine.serving_params import truncate_prompt
 from fleetllm.engine.serving_sse import SSE_DONE, HeldTokens, SSEResponse, sse
 from fleetllm.engine.serving_tools import ToolSettings
 from fleetllm.engine.tokenizer import Tokenizer
 from fleetllm.errors import APIError, bad_request
+from fleetllm.version import __version__
 
 log = logging.getLogger("fleetllm.engine.requests")
 
@@ -62,6 +65,8 @@ INLINE_TOKENIZE_CHARS = 2048
 # JSON has no -inf; vLLM reports impossible tokens with this floor.
 MIN_LOGPROB = -9999.0
 CLIENT_CLOSED = 499
+# OpenAI's field for the backend that answered (vLLM names its own version there too).
+SYSTEM_FINGERPRINT = f"fleetllm-{__version__}"
 
 
 @dataclasses.dataclass
@@ -81,6 +86,7 @@ class Job:
     n: int
     arrival: float
     client_request_id: str | None  # the caller's X-Request-Id, for correlating logs
+    response_id: str  # the answer's `id`: ours, or from the request's `request_id`
     prompts: list[Prompt] = dataclasses.field(default_factory=list)
     stream: RequestStream | None = None
     status: int | str = 200
@@ -183,6 +189,7 @@ class OpenAIServing:
     tools: ToolSettings = dataclasses.field(default_factory=ToolSettings)
     # Generation requests admitted and not yet answered in full; draining waits for them.
     num_active: int = dataclasses.field(default=0, init=False)
+    fields: FieldPolicy = dataclasses.field(default_factory=FieldPolicy, init=False)
     _token_text: dict[int, str] = dataclasses.field(default_factory=dict, init=False)
 
     # -- the model and its tokenizer -------------------------------------------------------
@@ -252,7 +259,7 @@ class OpenAIServing:
                 add_generation_prompt=req.add_generation_prompt,
                 chat_template=self.chat_template,
                 **({"tools": tools} if tools else {}),
-                **(req.chat_template_kwargs or {}),
+                **template_variables(req),
             )
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
@@ -260,12 +267,7 @@ class OpenAIServing:
             raise bad_request(f"chat_template_kwargs: {exc}", "chat_template_kwargs") from None
         if req.continue_final_message:
             # Cut the rendered end-of-turn after the last message, so generation continues it.
-            content = messages[-1].get("content", "")
-            last = (
-                "\n".join(str(part.get("text", "")) for part in content)
-                if isinstance(content, list)
-                else str(content)
-            )
+            last = message_text(messages[-1])
             cut = text.rfind(last)
             if last and cut != -1:
                 text = text[: cut + len(last)]
@@ -339,16 +341,35 @@ class OpenAIServing:
 
     # -- a generation request's life --------------------------------------------------------
 
-    def new_job(self, kind: str, id_prefix: str, model: str, n: int, http: Request) -> Job:
+    def new_job(
+        self,
+        kind: str,
+        id_prefix: str,
+        req: CompletionRequest | ChatCompletionRequest,
+        http: Request,
+    ) -> Job:
+        """A request's job; engine requests get ids of our own, unique whatever the client's
+        `request_id` (which names only the answer)."""
+        own = f"{id_prefix}-{uuid.uuid4().hex}"
         return Job(
-            f"{id_prefix}-{uuid.uuid4().hex}",
+            own,
             kind,
-            model,
+            self.models.resolve(req.model),
             int(time.time()),
-            n,
+            req.n,
             time.monotonic(),
             http.headers.get("x-request-id"),
+            f"{id_prefix}-{req.request_id}" if req.request_id else own,
         )
+
+    def truncated(self, prompt: Prompt, req: CompletionRequest | ChatCompletionRequest) -> Prompt:
+        """The prompt cut to the request's `truncate_prompt_tokens` (its text is then that of
+        the tokens kept)."""
+        tokenizer = self.llm.tokenizer
+        side = req.truncation_side or (tokenizer.truncation_side if tokenizer else "right")
+        keep = req.truncate_prompt_tokens
+        ids = truncate_prompt(prompt.token_ids, keep, side, self.max_model_len)
+        return prompt if ids is prompt.token_ids else Prompt(None, ids)
 
     def submit(self, job: Job, params: list[SamplingParams], cache_salt: str | None = None) -> None:
         """One engine request per choice, `params` being each prompt's; from here on the job
@@ -442,11 +463,12 @@ class OpenAIServing:
     ) -> dict[str, Any]:
         """A whole answer's body or a chunk: the job's id, the endpoint's `object`."""
         body: dict[str, Any] = {
-            "id": job.request_id,
+            "id": job.response_id,
             "object": obj,
             "created": job.created,
             "model": job.model,
             "choices": choices,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
         }
         if usage is not None:
             body["usage"] = usage
@@ -501,6 +523,28 @@ class OpenAIServing:
             record["prompts"] = [self.prompt_text(p) for p in job.prompts]
             record["completions"] = ["".join(parts) for parts in job.streamed_text or ()]
         log.info("request finished", extra=record)
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """A message's content as text: its text parts joined by newlines (as vLLM joins them)."""
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return str(content)
+
+
+def template_variables(req: ChatCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    """What the chat template gets besides the messages, as vLLM gives it: the request's
+    `chat_template_kwargs`, its `documents`, and its `reasoning_effort` (also as
+    `enable_thinking`, unless the kwargs set that)."""
+    variables = dict(req.chat_template_kwargs or {})
+    if isinstance(req, ChatCompletionRequest):
+        if req.documents is not None:
+            variables["documents"] = req.documents
+        if req.reasoning_effort is not None:
+            variables["reasoning_effort"] = req.reasoning_effort
+            variables.setdefault("enable_thinking", req.reasoning_effort != "none")
+    return variables
 
 
 def _engine_error(exc: Exception) -> APIError:

@@ -16,6 +16,7 @@ from fleetllm.engine import serving_prompt_logprobs as prompt_logprobs
 from fleetllm.engine import serving_structured, serving_tools
 from fleetllm.engine.protocol import ChatCompletionRequest
 from fleetllm.engine.request import CompletionOutput, Logprob
+from fleetllm.engine.request_fields import CHAT
 from fleetllm.engine.serving_base import (
     CLIENT_CLOSED,
     MIN_LOGPROB,
@@ -23,6 +24,7 @@ from fleetllm.engine.serving_base import (
     OpenAIServing,
     Prompt,
     choice,
+    message_text,
 )
 from fleetllm.engine.serving_params import fit_max_tokens, sampling_params
 from fleetllm.engine.serving_tools import ToolPlan
@@ -39,12 +41,13 @@ class OpenAIServingChat:
 
     async def create_chat_completion(self, req: ChatCompletionRequest, http: Request) -> Response:
         serving = self.serving
-        model = serving.models.resolve(req.model)
-        job = serving.new_job("chat", "chatcmpl", model, req.n, http)
+        serving.fields.check(req, CHAT)
+        job = serving.new_job("chat", "chatcmpl", req, http)
         serving.check_choices(1, req.n)
         tool_plan, found = serving_tools.plan(req, serving.tools)
         text = await serving.render_chat(req, tool_plan.tools)
         prompt = Prompt(text, await serving.encode(text, req.add_special_tokens))
+        prompt = serving.truncated(prompt, req)
         job.prompts.append(prompt)
         bad_words = await serving.logit_rules(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -87,10 +90,13 @@ class OpenAIServingChat:
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED)
         top_n = req.top_logprobs or 0
+        role, echo = answer_role(req), echoed(req)
         choices = []
         for index, out in enumerate(outputs):
             c = out.outputs[0]
-            message, finish_reason = serving_tools.whole_message(tool_plan, c.text, c.finish_reason)
+            text = c.text if tool_plan.mode else echo + c.text  # calls echo nothing
+            message, finish_reason = serving_tools.whole_message(tool_plan, text, c.finish_reason)
+            message["role"] = role
             choices.append(
                 choice(
                     index,
@@ -140,6 +146,23 @@ class OpenAIServingChat:
         return {"content": content}
 
 
+def answer_role(req: ChatCompletionRequest) -> str:
+    """The answer's role, as vLLM gives it: the assistant's after a generation prompt, else
+    the role of the last message (which the answer continues)."""
+    if req.add_generation_prompt:
+        return "assistant"
+    return str(req.messages[-1].get("role", "assistant"))
+
+
+def echoed(req: ChatCompletionRequest) -> str:
+    """With `echo`, the last message's content, where the answer continues that message (its
+    role is the answer's); else nothing."""
+    last = req.messages[-1]
+    if not req.echo or last.get("role") != answer_role(req):
+        return ""
+    return message_text(last)
+
+
 class _ChatChunks:
     """A chat stream's chunks: each choice opens with the assistant's role, then content
     deltas, or tool-call deltas as OpenAI sends them (a call's index, id, type and name
@@ -157,13 +180,13 @@ class _ChatChunks:
         self.calls = [CallStream(tools.scanner()) for _ in range(n)] if tools.mode else None
 
     def opening(self) -> list[dict[str, Any]]:
+        """Each choice's role, then (with `echo`) the content it continues."""
+        deltas = [{"role": answer_role(self.req), "content": ""}]
+        if echo := echoed(self.req):
+            deltas.append({"content": echo})
         return [
-            {
-                "index": index,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            for delta in deltas
             for index in range(self.n)
         ]
 

@@ -15,6 +15,7 @@ from fleetllm.engine import serving_prompt_logprobs as prompt_logprobs
 from fleetllm.engine import serving_structured
 from fleetllm.engine.protocol import CompletionRequest
 from fleetllm.engine.request import CompletionOutput, Logprob, RequestOutput
+from fleetllm.engine.request_fields import COMPLETION
 from fleetllm.engine.serving_base import (
     CLIENT_CLOSED,
     MIN_LOGPROB,
@@ -36,7 +37,7 @@ class OpenAIServingCompletion:
 
     async def create_completion(self, req: CompletionRequest, http: Request) -> Response:
         serving = self.serving
-        model = serving.models.resolve(req.model)
+        serving.fields.check(req, COMPLETION)
         prompt_n = prompt_logprobs.wanted(req)
         # max_tokens 0 scores the prompt and generates nothing: the engine samples the one
         # token a prefill ends with, and the answer leaves it out.
@@ -45,7 +46,7 @@ class OpenAIServingCompletion:
             raise bad_request("max_tokens: 0 is accepted only with echo", "max_tokens")
         if score_only and req.stream:
             raise bad_request("max_tokens: 0 is accepted in whole answers only", "max_tokens")
-        job = serving.new_job("completion", "cmpl", model, req.n, http)
+        job = serving.new_job("completion", "cmpl", req, http)
         serving.check_choices(len(req.prompt), req.n)
         bad_words = await serving.logit_rules(req)
         found = serving_structured.constraint(req)
@@ -60,7 +61,7 @@ class OpenAIServingCompletion:
             structured_outputs=found.params if found else None,
         )
         texts = [raw for raw in req.prompt if isinstance(raw, str)]
-        encoded = iter(await serving.encode_many(texts) if texts else [])
+        encoded = iter(await serving.encode_many(texts, req.add_special_tokens) if texts else [])
         per_prompt = []
         for raw in req.prompt:
             if isinstance(raw, str):
@@ -68,6 +69,7 @@ class OpenAIServingCompletion:
             else:
                 serving.check_token_ids(raw, "prompt")
                 prompt = Prompt(None, list(raw))
+            prompt = serving.truncated(prompt, req)
             limit = serving.max_model_len
             per_prompt.append(fit_max_tokens(params, len(prompt.token_ids), limit, "prompt"))
             job.prompts.append(prompt)

@@ -109,3 +109,26 @@ def fit_max_tokens(
             param,
         )
     return params
+
+
+def truncate_prompt(ids: list[int], keep: int | None, side: str, limit: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: at most `keep` of the prompt's tokens (-1: all that
+    leave one token of the context of `limit` for the output), the first ones for side
+    "right", the last for "left"."""
+    if keep is None:
+        return ids
+    if keep > limit:
+        raise bad_request(
+            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = {limit}. "
+            "Please request a smaller truncation size.",
+            "truncate_prompt_tokens",
+        )
+    if keep == -1:
+        keep = limit - 1
+    if keep == 0:
+        raise bad_request(
+            "truncate_prompt_tokens: 0 would leave no prompt", "truncate_prompt_tokens"
+        )
+    if len(ids) <= keep:
+        return ids
+    return ids[-keep:] if side == "left" else ids[:keep]

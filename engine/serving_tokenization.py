@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetllm.engine.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
+from fleetllm.engine.request_fields import DETOKENIZE, TOKENIZE, TOKENIZE_CHAT
 from fleetllm.engine.serving_base import OpenAIServing
 
 
@@ -19,9 +20,11 @@ class OpenAIServingTokenization:
         serving = self.serving
         serving.models.resolve(req.model)
         if isinstance(req, TokenizeChatRequest):
+            serving.fields.check(req, TOKENIZE_CHAT)
             tools = [tool.model_dump(exclude_none=True) for tool in req.tools or ()]
             text = await serving.render_chat(req, tools)
         else:
+            serving.fields.check(req, TOKENIZE)
             text = req.prompt
         tokens = await serving.encode(text, add_special_tokens=req.add_special_tokens)
         tokenizer = serving.tokenizer()
@@ -37,5 +40,6 @@ class OpenAIServingTokenization:
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         serving = self.serving
         serving.models.resolve(req.model)
+        serving.fields.check(req, DETOKENIZE)
         serving.check_token_ids(req.tokens, "tokens")
         return {"prompt": serving.tokenizer().decode(req.tokens)}

@@ -40,6 +40,7 @@ class Tokenizer:
         add_bos_token: bool = False,
         chat_template: str | None = None,
         generation_eos_token_ids: Sequence[int] = (),
+        truncation_side: str = "right",
     ) -> None:
         self.backend = backend
         self.bos_token = bos_token
@@ -47,6 +48,9 @@ class Tokenizer:
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
         self._generation_eos_token_ids = tuple(generation_eos_token_ids)
+        self.truncation_side = truncation_side
+        """Which end a prompt cut to `truncate_prompt_tokens` loses by default: "right" keeps
+        its first tokens (Hugging Face's default), "left" its last."""
 
     @classmethod
     def from_pretrained(cls, path: Path | str) -> Tokenizer:
@@ -79,6 +83,7 @@ class Tokenizer:
             add_bos_token=bool(config.get("add_bos_token", False)),
             chat_template=template,
             generation_eos_token_ids=[int(i) for i in eos_ids or ()],
+            truncation_side="left" if config.get("truncation_side") == "left" else "right",
         )
 
     # -- encoding and decoding ---------------------------------------------------------------

@@ -1,14 +1,16 @@
 """The router's OpenAPI document, served at /openapi.json.
 
-It describes what the router itself checks and answers: the proxied endpoints need a JSON
-object with a string `model` (every other field is the replica's to judge, so the document
-leaves them open), and every error is OpenAI's envelope.
+It describes what the router itself checks and answers: the relayed endpoints (vLLM's
+model-addressed routes, `endpoints`) need a JSON object with a string `model` (every other
+field is the replica's to judge, so the document leaves them open), and every error is
+OpenAI's envelope.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from fleetllm.router.endpoints import ENDPOINTS
 from fleetllm.version import __version__
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
@@ -74,15 +76,15 @@ def _generation(kind: str) -> dict[str, Any]:
 
 
 def openapi_schema(admin: bool) -> dict[str, Any]:
-    paths: dict[str, Any] = {
-        "/v1/completions": _generation("an OpenAI completion request"),
-        "/v1/chat/completions": _generation("an OpenAI chat completion request"),
+    paths: dict[str, Any] = {e.path: _generation(e.what) for e in ENDPOINTS}
+    paths |= {
         "/v1/models": {
             "get": {
                 "security": [{"bearer": []}, {}],
                 "responses": {
                     "200": {
-                        "description": "Every model of the fleet, those at zero replicas too.",
+                        "description": "Every model of the fleet, those at zero replicas too, "
+                        "with the context length its replicas report.",
                         "content": {
                             "application/json": {
                                 "schema": {
@@ -98,6 +100,12 @@ def openapi_schema(admin: bool) -> dict[str, Any]:
                                                 "properties": {
                                                     "id": {"type": "string"},
                                                     "object": {"type": "string", "enum": ["model"]},
+                                                    "max_model_len": {
+                                                        "type": "integer",
+                                                        "nullable": True,
+                                                        "description": "The context length its "
+                                                        "replicas serve; null until one said.",
+                                                    },
                                                 },
                                             },
                                         },

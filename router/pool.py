@@ -30,6 +30,7 @@ from fleetllm.router.discovery import (
 from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldQueue
 from fleetllm.router.metrics import RouterMetrics
+from fleetllm.router.model_card import fetch_max_model_len
 from fleetllm.router.replicas import Replica
 from fleetllm.router.scopes import (
     EVERYTHING,
@@ -47,6 +48,7 @@ from fleetllm.router.strategies import (
     round_robin,
     stable_hash,
 )
+from fleetllm.router.upstream_auth import replica_headers
 from fleetllm.scrape import EngineSample, MetricsTooLarge, ScrapeError, fetch_metrics
 
 log = logging.getLogger("fleetllm.router")
@@ -63,6 +65,9 @@ class PooledReplica:
     inflight: Any
     up: Any
     scraper: asyncio.Task[None] | None = None
+    card_read: bool = False
+    """Its model card was asked for since it last turned healthy (once: a replica without
+    one is not asked again and again)."""
     removed: bool = False
     """Out of the pool: its series are gone and nothing may create them again."""
 
@@ -98,6 +103,12 @@ class ModelPool:
 
     def available(self, now: float) -> list[Replica]:
         return [t.replica for t in self.replicas.values() if t.replica.available(now)]
+
+    def max_model_len(self) -> int | None:
+        """The context length its replicas serve (the shortest, where they differ, so that
+        a request within it fits any of them); None while no replica has said."""
+        known = [t.replica.max_model_len for t in self.replicas.values()]
+        return min((n for n in known if n is not None), default=None)
 
     def has_available(self) -> bool:
         now = time.monotonic()
@@ -281,6 +292,8 @@ class ReplicaPool:
                     self.settings.max_metrics_bytes,
                 )
                 replica.record_scrape(healthy, sample)
+                if not healthy:
+                    pooled.card_read = False  # it may come back with other settings
             except MetricsTooLarge as exc:
                 # A replica that answers /metrics with more than the cap misbehaves: it is
                 # backed off (longer at each scrape in a row) rather than trusted with traffic.
@@ -323,6 +336,28 @@ class ReplicaPool:
             model.turn += 1
         by_url = {r.url: r for r in available}
         return [by_url[c.id] for c in ordered]
+
+    async def max_model_len(self, model: ModelPool) -> int | None:
+        """The context length the model's replicas serve, asking each healthy replica whose
+        card has not been read since it turned healthy (only when a client wants to know:
+        no traffic to replicas for it otherwise)."""
+        assert self._session is not None
+        unread = [p for p in model.replicas.values() if p.replica.healthy and not p.card_read]
+        for pooled in unread:
+            pooled.card_read = True  # one read at a time, whoever else asks meanwhile
+
+        async def read(replica: Replica) -> None:
+            assert self._session is not None
+            replica.max_model_len = await fetch_max_model_len(
+                self._session,
+                replica.url,
+                model.route.served_name or model.name,
+                replica_headers(self.settings, replica),
+                self.settings.scrape_timeout,
+            )
+
+        await asyncio.gather(*(read(p.replica) for p in unread))
+        return model.max_model_len()
 
     def acquire(self, model: ModelPool, replica: Replica) -> Lease:
         return Lease(self, model, replica)

@@ -1,4 +1,5 @@
-"""The proxy: `/v1/completions` and `/v1/chat/completions` relayed to a replica of `model`.
+"""The proxy: each of vLLM's model-addressed endpoints (`endpoints`) relayed to a replica of
+the body's `model`.
 
 The body is read once and parsed once (for `model` and the prompt prefix); the replica's answer
 is relayed as bytes: a stream is forwarded event by event as it arrives, never re-encoded. A
@@ -25,13 +26,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from fleetllm.api.contract import engine_key
 from fleetllm.errors import error_json
 from fleetllm.httpread import TooLarge, read_bounded
 from fleetllm.router.access import Access
 from fleetllm.router.auth import ApiKey, tenant_of
 from fleetllm.router.body import read_body
 from fleetllm.router.config import RouterSettings
+from fleetllm.router.endpoints import BY_PATH, ENDPOINTS
 from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldRejected
 from fleetllm.router.inflight import InFlight
@@ -50,10 +51,10 @@ from fleetllm.router.sse import (
     usage_tokens,
     usage_tokens_sse,
 )
+from fleetllm.router.upstream_auth import replica_headers
 
 log = logging.getLogger("fleetllm.router")
 
-PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # A stream that sends this much before its first token is relayed as it is.
 MAX_PREAMBLE_BYTES = 1 << 20
 RETRY_AFTER_SECONDS = 5
@@ -137,10 +138,6 @@ class Proxy:
         self.inflight = InFlight(settings.max_inflight_requests, settings.max_inflight_bytes)
         self._salt_secret = _salt_secret(settings)
         self._session: aiohttp.ClientSession | None = None
-        self._upstream_headers = {"Content-Type": "application/json"}
-        if settings.upstream_api_key:
-            self._upstream_headers["Authorization"] = f"Bearer {settings.upstream_api_key}"
-        self._engine_key_root = settings.engine_key_root
         # Timeouts past the connect are enforced per phase (first byte, whole request).
         self._upstream_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout
@@ -155,8 +152,8 @@ class Proxy:
         return self._session
 
     def add_routes(self, app: web.Application) -> None:
-        for path in PROXIED_PATHS:
-            app.router.add_post(path, self.handle)
+        for endpoint in ENDPOINTS:
+            app.router.add_post(endpoint.path, self.handle)
 
     # -- one request -------------------------------------------------------------------------
 
@@ -225,7 +222,8 @@ class Proxy:
             # An alias, a namespace-qualified id or a plain name of one: the engines know the
             # served name (a static fleet's engines serve its ids as they are).
             changes["model"] = served
-        if ctx.key is not None and "cache_salt" not in payload:
+        salted = BY_PATH[ctx.request.path].salted
+        if ctx.key is not None and salted and "cache_salt" not in payload:
             # Prefix-cache hits are observable (time to first token, cached_tokens): without
             # a salt per tenant, one key could tell which prompts another has sent.
             changes["cache_salt"] = self._cache_salt(tenant_of(ctx.key))
@@ -328,11 +326,7 @@ class Proxy:
         replica could not serve (it has been backed off): another replica may."""
         loop = asyncio.get_running_loop()
         settings = self.settings
-        headers = {**self._upstream_headers, "X-Request-Id": ctx.request_id}
-        engine = lease.replica.engine
-        if self._engine_key_root and engine is not None:
-            # This model's key only: one engine never sees another's.
-            headers["Authorization"] = f"Bearer {engine_key(self._engine_key_root, *engine)}"
+        headers = {**replica_headers(settings, lease.replica), "X-Request-Id": ctx.request_id}
         upstream: aiohttp.ClientResponse | None = None
         outcome = "error"
         events = EventSplitter(settings.max_event_bytes)

@@ -18,6 +18,7 @@ class Replica:
         "healthy",
         "in_flight",
         "kv_usage",
+        "max_model_len",
         "model",
         "running",
         "url",
@@ -44,6 +45,9 @@ class Replica:
         self.healthy: bool | None = None
         self.failures = 0
         self.down_until = 0.0
+        self.max_model_len: int | None = None
+        """Its context length, from its model card; None until read (again after it was
+        down: it may have come back with other settings)."""
 
     def available(self, now: float) -> bool:
         return not self.draining and self.healthy is not False and now >= self.down_until
@@ -65,6 +69,8 @@ class Replica:
             # It came back (restarted, finished loading): start from a clean slate.
             self.failures = 0
             self.down_until = 0.0
+        if not healthy:
+            self.max_model_len = None
         self.healthy = healthy
         if sample is not None:
             # A gauge the replica did not report keeps its last value.

@@ -188,6 +188,9 @@ class Router:
     async def handle_models(self, request: web.Request) -> web.Response:
         key = self.access.authenticate(request.headers.get("Authorization"))
         scope = key.scope if key is not None else EVERYTHING
+        names = visible((m.route for m in self.pool.models.values()), scope)
+        pools = [self.pool.models[name] for name in names]
+        lengths = await asyncio.gather(*(self.pool.max_model_len(m) for m in pools))
         data = [
             {
                 "id": name,
@@ -196,8 +199,9 @@ class Router:
                 "owned_by": "fleetllm",
                 "root": name,
                 "parent": None,
+                "max_model_len": length,
             }
-            for name in visible((m.route for m in self.pool.models.values()), scope)
+            for name, length in zip(names, lengths, strict=True)
         ]
         return web.json_response({"object": "list", "data": data})
 

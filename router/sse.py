@@ -43,13 +43,16 @@ def usage_tokens_sse(block: bytes) -> int:
 
 
 def _total(usage: Any) -> int:
+    """OpenAI's `total_tokens`, else the sum of the parts: OpenAI's prompt and completion
+    tokens, or the input and output tokens of the Responses and Anthropic APIs. A negative
+    count (a replica's nonsense) is no credit to the key."""
     if not isinstance(usage, dict):
         return 0
     total = usage.get("total_tokens")
     if isinstance(total, int):
-        return total
-    parts = [usage.get("prompt_tokens"), usage.get("completion_tokens")]
-    return sum(p for p in parts if isinstance(p, int))
+        return max(0, total)
+    names = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
+    return sum(max(0, p) for p in map(usage.get, names) if isinstance(p, int))
 
 
 class First(enum.Enum):

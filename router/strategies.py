@@ -128,22 +128,29 @@ def _content_text(content: Any) -> str:
 
 def prefix_text(payload: Mapping[str, Any], limit: int) -> str:
     """The first `limit` characters of the prompt as the engine will see it: for chat, the
-    messages in order as `role: content` lines, so that requests sharing a system prompt share
-    a prefix. Unknown shapes give "" (and hash to one spot: they are invalid anyway)."""
+    messages in order as `role: content` lines (after Anthropic's `system` or the Responses
+    API's `instructions`), so that requests sharing a system prompt share a prefix; else the
+    first prompt (`prompt`, or `input` of embeddings and Responses, or a rerank's `query`).
+    Unknown shapes give "" (and hash to one spot: they are invalid anyway)."""
     messages = payload.get("messages")
+    if not isinstance(messages, list) and _is_messages(payload.get("input")):
+        messages = payload["input"]
     if isinstance(messages, list):
-        out: list[str] = []
-        size = 0
+        head = payload.get("system") or payload.get("instructions")
+        out = [f"system: {_content_text(head)}\n"] if head else []
+        size = sum(len(line) for line in out)
         for message in messages:
+            if size >= limit:
+                break
             if not isinstance(message, dict):
                 continue
             line = f"{message.get('role', '')}: {_content_text(message.get('content'))}\n"
             out.append(line)
             size += len(line)
-            if size >= limit:
-                break
         return "".join(out)[:limit]
-    prompt = payload.get("prompt")
+    prompt = next(
+        (payload[k] for k in ("prompt", "input", "query") if payload.get(k) is not None), None
+    )
     if isinstance(prompt, list) and prompt:
         first = prompt[0]
         if isinstance(first, int):
@@ -153,3 +160,7 @@ def prefix_text(payload: Mapping[str, Any], limit: int) -> str:
         else:
             prompt = first
     return prompt[:limit] if isinstance(prompt, str) else ""
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from router_testkit import EngineFleet, Process, metric_sum, write_fleet
+from router_testkit import EngineFleet, Process, metric_sum, wait_until, write_fleet
 
 TIMEOUT = 120.0
 
@@ -115,6 +115,37 @@ def test_each_model_reaches_its_own_replicas_and_answers_equal_direct(
         )
         == sent["beta"]
     )
+
+
+def test_tokenizer_endpoints_and_model_cards_through_the_router_equal_direct(
+    router: Process, engines: EngineFleet
+) -> None:
+    """vLLM's other model-addressed endpoints reach the engines too: /tokenize and
+    /detokenize answer as the engine does, an endpoint the engine does not serve is its own
+    404, and /v1/models says the context length the replicas serve."""
+    messages = [{"role": "user", "content": "Where is my parcel?"}]
+    for path, body in (
+        ("/tokenize", {"prompt": "The fleet router sends"}),
+        ("/tokenize", {"messages": messages, "return_token_strs": True}),
+        ("/detokenize", {"tokens": [5, 6, 7]}),
+        ("/v1/embeddings", {"input": "The fleet"}),
+        ("/v1/messages", {"messages": messages, "max_tokens": 4}),
+    ):
+        for model, direct in (("alpha", engines.alpha[0]), ("beta", engines.beta)):
+            via = httpx.post(f"{router.url}{path}", json={**body, "model": model}, timeout=TIMEOUT)
+            ref = httpx.post(f"{direct.url}{path}", json={**body, "model": model}, timeout=TIMEOUT)
+            assert (via.status_code, via.json()) == (ref.status_code, ref.json()), path
+            assert via.status_code == (404 if path.startswith("/v1/") else 200)
+    alpha = httpx.post(f"{router.url}/tokenize", json={"model": "alpha", "prompt": "x y z"})
+    beta = httpx.post(f"{router.url}/tokenize", json={"model": "beta", "prompt": "x y z"})
+    assert alpha.json()["max_model_len"] == beta.json()["max_model_len"] == 1024
+
+    def cards() -> dict[str, Any]:
+        listing = httpx.get(f"{router.url}/v1/models", timeout=TIMEOUT).json()
+        return {m["id"]: m["max_model_len"] for m in listing["data"]}
+
+    wait_until(lambda: None not in cards().values(), "every replica's card read")
+    assert cards() == {"alpha": 1024, "beta": 1024}
 
 
 def test_unknown_model_is_a_404_in_openai_shape(router: Process) -> None:

@@ -84,6 +84,12 @@ def test_chat_prompts_carry_one_bos_and_tokenize_agrees(
     )
     assert chat_doubled.json()["usage"]["prompt_tokens"] == len(ids) + 1
 
+    # Completions add the tokenizer's BOS unless told not to (vLLM's add_special_tokens).
+    text = {"model": SERVED_NAME, "prompt": "Paris", "max_tokens": 1, "return_token_ids": True}
+    with_bos = post(server, "/v1/completions", text).json()["choices"][0]["prompt_token_ids"]
+    without = post(server, "/v1/completions", {**text, "add_special_tokens": False}).json()
+    assert with_bos[0] == bos and with_bos[1:] == without["choices"][0]["prompt_token_ids"]
+
 
 def test_offline_chat_carries_one_bos(llama3_style_dir: Path) -> None:
     bos = bos_id(llama3_style_dir)

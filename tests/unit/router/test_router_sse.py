@@ -115,6 +115,11 @@ def test_usage() -> None:
     assert usage_tokens(b'{"usage": {"total_tokens": 7}}') == 7
     assert usage_tokens(b'{"usage": {"prompt_tokens": 3, "completion_tokens": 4}}') == 7
     assert usage_tokens(b"[]") == 0 and usage_tokens(b"nope") == 0
+    # The Responses and Anthropic APIs count input and output tokens.
+    assert usage_tokens(b'{"usage": {"input_tokens": 5, "output_tokens": 6}}') == 11
+    # A replica's negative count is no credit.
+    assert usage_tokens(b'{"usage": {"total_tokens": -50}}') == 0
+    assert usage_tokens(b'{"usage": {"input_tokens": -50, "output_tokens": 2}}') == 2
     tail = b'data: {"choices": []}\n\ndata: {"choices": [], "usage": {"total_tokens": 9}}\n\n'
     assert usage_tokens_sse(tail + b"data: [DONE]\n\n") == 9
     assert usage_tokens_sse(b'data: {"choices": []}\n\n') == 0

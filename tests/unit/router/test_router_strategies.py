@@ -179,3 +179,35 @@ def test_completion_prefix_from_text_lists_and_token_ids() -> None:
     assert prefix_text({"prompt": [[7, 8], [9]]}, 100) == "7 8"
     assert prefix_text({"prompt": 5}, 100) == ""
     assert prefix_text({"messages": "not a list", "prompt": None}, 100) == ""
+
+
+def test_anthropic_and_responses_prompts_share_the_chat_prefix_of_their_system_prompt() -> None:
+    chat = {"messages": [{"role": "system", "content": "hi"}, {"role": "user", "content": "x"}]}
+    anthropic = {"system": "hi", "messages": [{"role": "user", "content": "x"}]}
+    blocks = {"system": [{"type": "text", "text": "hi"}], "messages": anthropic["messages"]}
+    responses = {"instructions": "hi", "input": [{"role": "user", "content": "x"}]}
+    expected = prefix_text(chat, 100)
+    assert [prefix_text(p, 100) for p in (anthropic, blocks, responses)] == [expected] * 3
+    long_system = {"system": SYSTEM, "messages": [{"role": "user", "content": "x"}]}
+    assert prefix_text(long_system, 64) == f"system: {SYSTEM}"[:64]
+
+
+def test_embedding_responses_and_rerank_inputs_give_their_prefix() -> None:
+    assert prefix_text({"input": "abcdef"}, 4) == "abcd"
+    assert prefix_text({"input": ["first", "second"]}, 100) == "first"
+    assert prefix_text({"input": [[3, 4], [5]]}, 100) == "3 4"
+    assert prefix_text({"query": "what ships", "documents": ["a"]}, 100) == "what ships"
+    assert prefix_text({"input": {"odd": 1}}, 100) == ""
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=30),
+       st.sampled_from(["messages", "input", "prompt", "query", "system", "instructions"]),
+       st.integers(min_value=1, max_value=64))  # fmt: skip
+def test_prefix_text_takes_any_json_without_raising_and_within_its_limit(
+    value: object, field: str, limit: int
+) -> None:
+    text = prefix_text({field: value, "messages": value} if field == "system" else {field: value},
+                       limit)  # fmt: skip
+    assert isinstance(text, str) and len(text) <= limit

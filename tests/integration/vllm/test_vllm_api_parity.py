@@ -5,9 +5,8 @@ response types' fields: a `null` reads as an absent key; keys of data-keyed maps
 logprobs entry's tokens, are values), and, where the corpus says so, the same values.
 
 What still differs is listed here (KNOWN), each with a row in docs/engine-server.md saying
-why: a new difference fails the test, and so does a listed one that has gone. The
-structured-output and tool-call requests are in PENDING: they may differ until the engine
-serves those fields.
+why: a new difference fails the test, and so does a listed one that has gone. Both servers
+call tools with the hermes parser.
 """
 
 from __future__ import annotations
@@ -50,24 +49,6 @@ KNOWN: dict[str, str] = {
     "anthropic-count-tokens": "the builtin engine does not serve the Anthropic Messages API",
 }
 """Requests whose answers differ, and why (each a row of docs/engine-server.md)."""
-
-PENDING: frozenset[str] = frozenset(
-    {
-        "cmpl-response-format-json",
-        "cmpl-structured-regex",
-        "chat-tools-none",
-        "chat-tools-auto",
-        "chat-tools-required",
-        "chat-tool-history",
-        "chat-json-object",
-        "chat-json-schema",
-        "chat-structured-choice",
-        "chat-guided-json",
-    }
-)
-"""Structured outputs and tool calling: expected to differ only until the engine serves
-them (response_format, structured_outputs, tools, tool_choice, tool-call histories). Remove
-this set when they land: every case of the corpus must then agree or be in KNOWN."""
 
 EVERYWHERE: dict[str, str] = {
     "usage.prompt_tokens_details.cached_tokens": "the builtin engine always reports cached "
@@ -201,6 +182,7 @@ def builtin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cmd = [sys.executable, "-m", "fleetllm.cli", "engine", "serve", "--model", MODEL]
     cmd += ["--served-model-name", MODEL, "--max-model-len", "1024", "--num-kv-blocks", "256"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--num-threads", "1"]
+    cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
     )
@@ -224,8 +206,7 @@ def _healthy(url: str, proc: subprocess.Popen[bytes]) -> bool:
 def test_the_corpus_is_large_and_its_lists_name_its_cases() -> None:
     names = [c.name for c in CORPUS]
     assert len(names) == len(set(names)) and len(names) >= 60
-    assert set(KNOWN) <= set(names) and set(names) >= PENDING
-    assert not set(KNOWN) & PENDING
+    assert set(KNOWN) <= set(names)
 
 
 def test_each_known_difference_is_a_row_of_the_doc() -> None:
@@ -246,7 +227,7 @@ def test_the_builtin_engine_answers_the_corpus_as_vllm_does(
             differences[found.case] = found
     report = "\n".join(d.describe() for d in differences.values())
     print(report)
-    unexpected = set(differences) - set(KNOWN) - PENDING
+    unexpected = set(differences) - set(KNOWN)
     gone = set(KNOWN) - set(differences)
     assert not unexpected, f"new differences:\n{report}"
     assert not gone, f"listed differences that are gone: {sorted(gone)}"

@@ -43,7 +43,7 @@ spec:
     dtype: bfloat16
     maxNumSeqs: 4
     drainSeconds: 120
-    extraArgs: ["--enforce-eager"]
+    extraArgs: ["--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
   gpu: {type: cpu}
   maxModelLen: 1024
   pod: {resources: {limits: {memory: 3Gi}}}

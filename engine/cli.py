@@ -138,6 +138,13 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
     )
     p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help='publish KV-cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
+        '"topic": "kv-events"}\' (vLLM\'s keys and defaults)',
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("FLEETLLM_API_KEY"),
         help="require 'Authorization: Bearer <key>' on the API (default: $FLEETLLM_API_KEY)",
@@ -232,6 +239,7 @@ def _serve(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=args.speculative_config,
+        kv_events_config=args.kv_events_config,
     )
     # Fail fast, before binding, on what can be checked without loading the weights.
     config.validate()

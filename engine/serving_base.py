@@ -49,8 +49,8 @@ from fleetllm.engine.request import CompletionOutput, Logprob, RequestFailedErro
 from fleetllm.engine.sampling_params import SamplingParams
 from fleetllm.engine.serving_models import ServedModels
 from fleetllm.engine.serving_sse import SSE_DONE, HeldTokens, SSEResponse, sse
-from fleetllm.engine.tokenizer import Tokenizer
 from fleetllm.errors import APIError, bad_request
+from fleetllm.tokenizer import Tokenizer
 
 log = logging.getLogger("fleetllm.engine.requests")
 

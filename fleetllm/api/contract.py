@@ -24,6 +24,14 @@ ENGINE_PORT = 8000
 PORT_NAME = "http"
 """The name of that port on the container and on the Service (probes and discovery use it)."""
 
+KV_EVENTS_PORT = 5557
+"""Where an engine publishes its KV-cache events (vLLM's default port), for a model routed
+`kv-aware`; the replay port serves the batches a subscriber missed."""
+KV_REPLAY_PORT = 5558
+KV_EVENTS_PORT_NAME = "kv-events"
+KV_REPLAY_PORT_NAME = "kv-replay"
+KV_EVENTS_TOPIC = "kv-events"
+
 
 def selector_labels(name: str) -> dict[str, str]:
     """The immutable subset of labels that selects one LLMDeployment's engine pods."""

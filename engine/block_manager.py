@@ -133,6 +133,7 @@ class BlockPool:
 @dataclass
 class _RequestBlocks:
     root: BlockHash = field(default_factory=root_hash)
+    cache_salt: str | None = None
     blocks: list[Block] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)  # the ids of `blocks`
     hashes: list[BlockHash] = field(default_factory=list)  # of the request's full blocks
@@ -191,7 +192,7 @@ class KVCacheManager:
         """
         entry = self._requests.get(request_id)
         if entry is None:
-            entry = self._requests[request_id] = _RequestBlocks(root_hash(cache_salt))
+            entry = self._requests[request_id] = _RequestBlocks(root_hash(cache_salt), cache_salt)
         if not self.enable_prefix_caching:
             return []
         usable = (len(token_ids) - 1) // self.block_size
@@ -261,6 +262,8 @@ class KVCacheManager:
         if events is None:
             return
         bs = self.block_size
+        # vLLM's per-block extra keys: the salt marks a salted sequence's first block.
+        salted = start == 0 and entry.cache_salt is not None
         events.append(
             BlockStored(
                 block_hashes=entry.hashes[start:end],
@@ -270,6 +273,7 @@ class KVCacheManager:
                 lora_id=None,
                 medium=MEDIUM_GPU,
                 lora_name=None,
+                extra_keys=[(entry.cache_salt,), *[None] * (end - 1)] if salted else None,
             )
         )
 

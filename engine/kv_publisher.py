@@ -45,6 +45,8 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         self._queue_address = f"inproc://kv-events-queue-{id(self)}"
         self._pull = self._ctx.socket(zmq.PULL)
+        # The queue is the two ends' buffers together: the PUSH end holds the bound.
+        self._pull.setsockopt(zmq.RCVHWM, 1)
         self._pull.bind(self._queue_address)
         self._push: zmq.Socket[bytes] | None = None  # the engine thread's, made on first use
         self._pub = self._ctx.socket(zmq.PUB)

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -27,8 +25,6 @@ import zmq.asyncio
 
 from fleetllm.kv_events import END_SEQ
 from fleetllm.router.kv_index import BatchSequencer, Resync
-
-log = logging.getLogger("fleetllm.router")
 
 
 @dataclass(frozen=True)
@@ -49,17 +45,12 @@ class KVFeed:
         replay_endpoint: str,
         sequencer: BatchSequencer,
         settings: FeedSettings,
-        on_resync: Callable[[str], None] = lambda reason: None,
-        name: str = "",
     ) -> None:
         self.context = context
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.sequencer = sequencer
         self.settings = settings
-        self.on_resync = on_resync
-        """Called with the reason of each loss of history (a metric)."""
-        self.name = name
         self.fresh_until = -1.0
         self.batches = 0
 
@@ -86,10 +77,10 @@ class KVFeed:
                     if not whole:
                         dealer.close()
                         dealer = None  # the rest of it must not be read as the next answer
-                    if answer is not None:
-                        self._apply_replay(answer)
-                        self.fresh_until = time.monotonic() + settings.stale_after
                     pending = None
+                    if answer is not None:
+                        pending = self.sequencer.on_replay(start, answer)
+                        self.fresh_until = time.monotonic() + settings.stale_after
                     next_probe = time.monotonic() + settings.probe_interval
                 if not await sub.poll(max(0.0, next_probe - time.monotonic()) * 1000):
                     continue
@@ -134,12 +125,6 @@ class KVFeed:
                     out.append((int.from_bytes(frames[2], "big"), frames[3]))
         except TimeoutError:
             return None, False
-
-    def _apply_replay(self, answer: list[tuple[int, bytes]]) -> None:
-        lost = self.sequencer.on_replay(answer)
-        if lost is not None:
-            self.on_resync(lost)
-            log.info("KV events resynced", extra={"replica": self.name, "reason": lost})
 
 
 async def cancel(task: asyncio.Task[None] | None) -> None:

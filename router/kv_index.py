@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -158,25 +158,32 @@ class BatchSequencer:
     """Applies one replica's batches in sequence order, each once.
 
     Live batches (`on_live`) must follow the last one applied; anything else asks for a
-    resync. A resync replays the replica's buffer from the last batch applied (`anchor`):
-    an answer that starts with that very batch (same number, same bytes) continues the view;
-    any other answer (the publisher restarted, or its buffer moved past us) rebuilds it from
-    scratch out of what the buffer holds. A hole inside an answer (a batch the publisher
-    dropped) also clears the view, which then goes on from the batch after the hole.
+    replay. A replay starts at the last batch applied (`anchor`): an answer that begins with
+    that very batch (same number, same bytes, its timestamp included) continues the view. Any
+    other answer means the publisher restarted (or its buffer moved past the view): the view
+    is rebuilt from the whole buffer. A hole inside an answer (a batch the publisher dropped)
+    clears the view, which goes on from the batch after the hole. Each loss of history is
+    reported to `on_lost` with its reason.
     """
 
-    def __init__(self, blocks: ReplicaBlocks, vllm: VllmHasher) -> None:
+    def __init__(
+        self,
+        blocks: ReplicaBlocks,
+        vllm: VllmHasher,
+        on_lost: Callable[[str], None] = lambda reason: None,
+    ) -> None:
         self.blocks = blocks
         self.vllm = vllm
+        self.on_lost = on_lost
         self._decode = decoder()
         self.next_seq: int | None = None
-        """The number the next live batch must have; None until the first resync."""
+        """The number the next live batch must have; None until the first replay."""
         self._recent: OrderedDict[int, bytes] = OrderedDict()
         self.malformed = 0
 
     @property
     def anchor(self) -> int:
-        """Where a replay must start: the last batch applied (to check it), else 0."""
+        """Where a replay starts: the last batch applied (to check it), else 0."""
         return max(0, (self.next_seq or 0) - 1)
 
     def on_live(self, seq: int, payload: bytes) -> Resync | None:
@@ -187,15 +194,16 @@ class BatchSequencer:
             return None
         if seq < self.next_seq and self._recent.get(seq) == digest(payload):
             return None  # already applied (it came in a replay too)
-        reason = "gap" if seq > self.next_seq else "publisher restarted"
-        return Resync(self.anchor, reason)
+        if seq > self.next_seq:
+            return Resync(self.anchor, "gap")
+        return Resync(0, "publisher restarted")
 
-    def on_replay(self, batches: Sequence[tuple[int, bytes]]) -> str | None:
-        """Apply a replay answer (from `anchor`); what was lost, if anything."""
-        lost = None
+    def on_replay(self, start: int, batches: Sequence[tuple[int, bytes]]) -> Resync | None:
+        """Apply the answer to a replay from `start`; a further replay to ask for, if the
+        answer shows the view must be rebuilt from the buffer's beginning."""
         if self.next_seq:
-            anchor = self.anchor
             first = batches[0] if batches else None
+            anchor = self.anchor
             if (
                 first is not None
                 and first[0] == anchor
@@ -203,20 +211,20 @@ class BatchSequencer:
             ):
                 batches = batches[1:]
             else:
-                lost = "publisher restarted"
                 self._restart()
-        else:
-            self._restart()
+                self.on_lost("publisher restarted")
+                if start > 0:
+                    return Resync(0, "publisher restarted")
         if self.next_seq is None:
             self.next_seq = batches[0][0] if batches else 0
             if self.next_seq:
-                lost = lost or "history older than the replay buffer"
+                self.on_lost("history older than the replay buffer")
         for seq, payload in batches:
             if seq != self.next_seq:
-                lost = "batches dropped by the publisher"
+                self.on_lost("batches dropped by the publisher")
                 self.blocks.clear()
             self._apply(seq, payload)
-        return lost
+        return None
 
     def _restart(self) -> None:
         self.blocks.clear()
@@ -235,6 +243,7 @@ class BatchSequencer:
         except MalformedBatch:
             # What it said is unknown: the view restarts from the batches after it.
             self.malformed += 1
+            self.on_lost("malformed batch")
             self.blocks.clear()
             return
         self.blocks.apply(batch, self.vllm)

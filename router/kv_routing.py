@@ -88,16 +88,12 @@ class KVRouting:
     def _start_feed(
         self, context: zmq.asyncio.Context, replica_id: str, endpoint: KVEventsEndpoint
     ) -> None:
-        sequencer = BatchSequencer(self.index.replica(replica_id), self.vllm)
-        feed = KVFeed(
-            context,
-            endpoint.events,
-            endpoint.replay,
-            sequencer,
-            self.feed_settings,
-            on_resync=lambda reason: self.on_resync(replica_id, reason),
-            name=replica_id,
+        sequencer = BatchSequencer(
+            self.index.replica(replica_id),
+            self.vllm,
+            on_lost=lambda reason: self.on_resync(replica_id, reason),
         )
+        feed = KVFeed(context, endpoint.events, endpoint.replay, sequencer, self.feed_settings)
         self._feeds[replica_id] = _Feed(endpoint, feed, asyncio.create_task(feed.run()))
 
     def _stop_feed(self, replica_id: str) -> asyncio.Task[None]:

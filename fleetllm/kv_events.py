@@ -114,12 +114,6 @@ class KVEventsConfig(BaseModel):
         events are enabled)."""
         return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
 
-    def to_json(self) -> str:
-        """The flag's value, with only the keys that differ from vLLM's defaults."""
-        return json.dumps(
-            self.model_dump(exclude_defaults=True), separators=(",", ":"), sort_keys=True
-        )
-
 
 def parse_kv_events_config(text: str) -> KVEventsConfig:
     """The flag's JSON; ValueError naming what is wrong."""

@@ -33,6 +33,14 @@ KV_REPLAY_PORT_NAME = "kv-replay"
 KV_EVENTS_TOPIC = "kv-events"
 
 
+def kv_event_ports(cr: LLMDeployment) -> dict[str, int]:
+    """Name -> port of the KV-event sockets an engine of `cr` opens: none unless the model
+    is routed kv-aware (the events carry prompt tokens; only the router reads them)."""
+    if cr.spec.routing.strategy != "kv-aware":
+        return {}
+    return {KV_EVENTS_PORT_NAME: KV_EVENTS_PORT, KV_REPLAY_PORT_NAME: KV_REPLAY_PORT}
+
+
 def selector_labels(name: str) -> dict[str, str]:
     """The immutable subset of labels that selects one LLMDeployment's engine pods."""
     return {LABEL_NAME: "fleetllm", LABEL_INSTANCE: name, LABEL_COMPONENT: COMPONENT}

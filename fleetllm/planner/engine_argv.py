@@ -131,7 +131,8 @@ def kv_events_args(spec: LLMDeploymentSpec) -> list[str]:
     backends) on the pod's events and replay ports. vLLM hashes blocks with SHA-256 from a
     fixed seed, which the router reproduces: the algorithm is set here, whatever vLLM's
     default becomes (the seed is vLLM's own unless PYTHONHASHSEED is set, which the planner
-    refuses for such a model)."""
+    refuses for such a model); and vLLM reports the cached tokens of each answer, which the
+    router compares with what it predicted (the builtin engine always does)."""
     if spec.routing.strategy != "kv-aware":
         return []
     config = {
@@ -143,7 +144,7 @@ def kv_events_args(spec: LLMDeploymentSpec) -> list[str]:
     }
     args = [KV_EVENTS_FLAG, json.dumps(config, separators=(",", ":"))]
     if spec.engine.backend == "vllm":
-        args += ["--prefix-caching-hash-algo", "sha256"]
+        args += ["--prefix-caching-hash-algo", "sha256", "--enable-prompt-tokens-details"]
     return args
 
 

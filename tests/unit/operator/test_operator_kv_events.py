@@ -56,6 +56,7 @@ def test_both_backends_publish_on_the_contract_ports(backend: str) -> None:
     if backend == "vllm":
         # vLLM reads the same flag, and hashes as the router reproduces it.
         assert _flag(planned.args, "--prefix-caching-hash-algo") == "sha256"
+        assert "--enable-prompt-tokens-details" in planned.args
         read = {g.option.dest: g.values for g in read_vllm_args(planned.args)}
         assert parse_kv_events_config(read["kv_events_config"][0]) == config
     # Another strategy: no events, no ports.

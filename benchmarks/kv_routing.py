@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from router import (  # noqa: E402 - the sibling benchmark's process helpers
+from router import (
     WORDS,
     Proc,
     engine_args,
@@ -109,7 +109,9 @@ def spread(samples: list[list[float]], load_factor: float, replicas: int) -> dic
     }
 
 
-async def router_metric(session: aiohttp.ClientSession, url: str, name: str, **labels: str) -> float:
+async def router_metric(
+    session: aiohttp.ClientSession, url: str, name: str, **labels: str
+) -> float:
     async with session.get(f"{url}/metrics") as r:
         text = await r.text()
     total = 0.0
@@ -178,7 +180,9 @@ async def run_strategy(
         "mean_ttft_ms": round(statistics.fmean(ttfts) * 1000, 1),
         "median_ttft_ms": round(statistics.median(ttfts) * 1000, 1),
         "p99_ttft_ms": round(percentile(ttfts, 99) * 1000, 1),
-        "requests_per_replica": [int(a - b) for a, b in zip(after_served, before_served, strict=True)],
+        "requests_per_replica": [
+            int(a - b) for a, b in zip(after_served, before_served, strict=True)
+        ],
         "load": spread(samples, args.load_factor, len(engines)),
         "wall_s": round(wall, 1),
     }

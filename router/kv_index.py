@@ -39,6 +39,7 @@ Layout = tuple[Scheme, int]
 MAX_KEY_BYTES = 64
 """Longer byte keys are no hash any engine makes: such an event is malformed."""
 MAX_BLOCK_SIZE = 1 << 16
+MAX_TOKEN_ID = 1 << 31
 _RECENT = 1024
 """Digests of the last batches applied, to tell a batch seen twice from a restarted
 publisher's batch of the same number."""
@@ -58,6 +59,9 @@ def parse_batch(payload: bytes, decode: msgspec.msgpack.Decoder[KVEventBatch]) -
             keys = [*event.block_hashes, event.parent_block_hash]
             if not 1 <= event.block_size <= MAX_BLOCK_SIZE:
                 raise MalformedBatch(f"block_size {event.block_size} is out of range")
+            tokens = event.token_ids
+            if tokens and not (min(tokens) >= 0 and max(tokens) < MAX_TOKEN_ID):
+                raise MalformedBatch("a token id is out of range")
         elif isinstance(event, BlockRemoved):
             keys = event.block_hashes
         else:

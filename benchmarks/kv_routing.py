@@ -10,8 +10,10 @@ with its own system prompts so that none inherits another's cache. Printed per s
 the prefix-cache hit rate (the engines' token counters over the run), mean/median/p99 time
 to first token, how the load spread (requests per replica; how far the busiest replica's
 in-flight count went past load_factor x the mean, sampled from the router), and for
-kv-aware how its predicted cached tokens matched what the engines reported. The machine's
-load average is printed with the figures (the machine may be shared).
+kv-aware how its predicted cached tokens matched what the engines reported. First, what a
+request's tokens cost the router: tokenizing and hashing in the router (what kv-aware does)
+against asking a replica's /tokenize (a round trip), for chat prompts of several lengths.
+The machine's load average is printed with the figures (the machine may be shared).
 
     python benchmarks/kv_routing.py                  # 4 replicas, 24 prompts
     python benchmarks/kv_routing.py --replicas 3 --prompts 20 --conversations 2 --turns 3
@@ -195,6 +197,42 @@ async def run_strategy(
     return result
 
 
+async def tokenize_cost(
+    session: aiohttp.ClientSession, engine: Proc, model_dir: Path
+) -> dict[str, Any]:
+    """Median ms per request: the router's own tokenization and block keys, and a replica's
+    /tokenize for the same messages."""
+    from fleetllm.block_hash import chain_hashes, root_hash
+    from fleetllm.router.prompt_tokens import PromptTokenizer
+
+    prompts = PromptTokenizer.load(model_dir, max_tokens=1 << 15)
+    rng = random.Random(7)
+    out: dict[str, Any] = {}
+    for words in (100, 1000, 4000):
+        messages = [
+            {"role": "system", "content": system_prompt(rng, 0, words)},
+            {"role": "user", "content": "What comes next?"},
+        ]
+        local, remote = [], []
+        tokens: list[int] = []
+        for _ in range(20):
+            start = time.perf_counter()
+            tokens = prompts.tokens({"messages": messages}) or []
+            chain_hashes(root_hash("tenant"), tokens, 16)
+            local.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            async with session.post(
+                f"{engine.url}/tokenize", json={"model": "bench", "messages": messages}
+            ) as r:
+                assert (await r.json())["tokens"] == tokens
+            remote.append(time.perf_counter() - start)
+        out[f"{len(tokens)}_tokens"] = {
+            "router_ms": round(statistics.median(local) * 1000, 2),
+            "replica_tokenize_ms": round(statistics.median(remote) * 1000, 2),
+        }
+    return out
+
+
 async def main_async(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from fleetllm.engine.model_files import resolve_model
 
@@ -236,6 +274,8 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         }
         timeout = aiohttp.ClientTimeout(total=3600)
         async with aiohttp.ClientSession(timeout=timeout) as session:
+            result["tokenize_cost"] = await tokenize_cost(session, engines[0], model_dir)
+            print(json.dumps({"tokenize_cost": result["tokenize_cost"]}), flush=True)
             for index, strategy in enumerate(STRATEGIES):
                 load = os.getloadavg()
                 result[strategy] = await run_strategy(

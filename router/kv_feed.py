@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ import zmq.asyncio
 
 from fleetllm.kv_events import END_SEQ
 from fleetllm.router.kv_index import BatchSequencer, Resync
+
+log = logging.getLogger("fleetllm.router")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,19 @@ class KVFeed:
         return now < self.fresh_until and self.sequencer.blocks.mismatch is None
 
     async def run(self) -> None:
+        """Follow the replica until cancelled; a socket error is logged and the feed starts
+        over (the view stays, and is checked by the first replay)."""
+        while True:
+            try:
+                await self._follow()
+            except zmq.ZMQError as exc:
+                log.warning(
+                    "KV events of a replica cannot be followed",
+                    extra={"endpoint": self.endpoint, "error": str(exc)},
+                )
+                await asyncio.sleep(self.settings.stale_after)
+
+    async def _follow(self) -> None:
         settings = self.settings
         sub = self.context.socket(zmq.SUB)
         sub.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)

@@ -195,3 +195,22 @@ def test_replay_answers_from_the_asked_number_then_the_end_marker(short_tmp: Pat
         dealer.close(linger=0)
         context.term()
         publisher.close()
+
+
+@pytest.mark.asyncio
+async def test_an_address_that_cannot_be_used_leaves_the_replica_unknown_not_the_feed_dead() -> (
+    None
+):
+    context = zmq.asyncio.Context()
+    settings = FeedSettings(probe_interval=0.05, stale_after=0.2, replay_timeout=0.1)
+    sequencer = BatchSequencer(ReplicaBlocks(10), VllmHasher())
+    kv_feed = KVFeed(context, "tcp://256.1.1.1:5557", "tcp://256.1.1.1:5558", sequencer, settings)
+    task = asyncio.create_task(kv_feed.run())
+    try:
+        await asyncio.sleep(0.5)
+        assert not task.done()  # it keeps trying
+        assert not kv_feed.fresh(time.monotonic())
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        context.destroy(linger=0)

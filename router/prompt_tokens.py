@@ -7,10 +7,20 @@ Only what the router can reproduce exactly is tokenized: a chat request's text m
 reads otherwise (tools, continuing the final message, several prompts, a suffix, truncation)
 gives None, and the router routes it without knowing what is cached. A request whose prompt
 logprobs are wanted is computed from scratch by the engine: it gives no tokens to look up.
+
+Tokenizing costs the router's event loop time (the tokenizer holds the GIL), and chat
+prompts mostly repeat: a shared system prompt, the earlier turns of a conversation. The
+tokenizer cuts a text at its added tokens (a chat template's `<|im_start|>`, ...) before
+anything else, and tokenizes each piece on its own; so a rendered chat is tokenized piece by
+piece here, each piece's ids kept in a bounded cache, and only new pieces cost anything.
+That holds for tokenizers whose added tokens match exactly (no stripping of the whitespace
+around them, no normalization); for any other the whole text is tokenized.
 """
 
 from __future__ import annotations
 
+import re
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +29,8 @@ from fleetllm.tokenizer import Tokenizer
 
 _UNREPRODUCED = ("tools", "continue_final_message", "documents", "chat_template", "suffix")
 _TRUNCATION = ("truncate_prompt_tokens",)
+CACHE_CHARS = 1 << 23
+"""The text the piece cache keeps, in characters (with its ids, some tens of MB)."""
 
 
 class PromptTokenizer:
@@ -29,6 +41,9 @@ class PromptTokenizer:
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
         """Prompts longer than this are cut here: only their beginning keys the lookup."""
+        self._added, self._split = _added_tokens(tokenizer)
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._cached_chars = 0
 
     @classmethod
     def load(cls, directory: Path, max_tokens: int) -> PromptTokenizer:
@@ -72,7 +87,52 @@ class PromptTokenizer:
         # Tokens are about four characters: a prompt is cut in text first, with a margin,
         # so that a huge one costs what its beginning costs.
         cut = text[: self.max_tokens * 16]
-        return self.tokenizer.encode(cut, add_special_tokens=add_special_tokens)[: self.max_tokens]
+        if add_special_tokens or self._split is None:
+            ids = self.tokenizer.encode(cut, add_special_tokens=add_special_tokens)
+        else:
+            ids = self._encode_pieces(cut)
+        return ids[: self.max_tokens]
+
+    def _encode_pieces(self, text: str) -> list[int]:
+        assert self._split is not None
+        ids: list[int] = []
+        for i, piece in enumerate(self._split.split(text)):
+            if i % 2:  # an added token (the split's captured separators)
+                ids.append(self._added[piece])
+            elif piece:
+                ids += self._piece(piece)
+        return ids
+
+    def _piece(self, piece: str) -> list[int]:
+        ids = self._pieces.get(piece)
+        if ids is not None:
+            self._pieces.move_to_end(piece)
+            return ids
+        ids = self.tokenizer.encode(piece, add_special_tokens=False)
+        if len(piece) <= CACHE_CHARS // 4:
+            self._pieces[piece] = ids
+            self._cached_chars += len(piece)
+            while self._cached_chars > CACHE_CHARS:
+                old, _ = self._pieces.popitem(last=False)
+                self._cached_chars -= len(old)
+        return ids
+
+
+def _added_tokens(tokenizer: Tokenizer) -> tuple[dict[str, int], re.Pattern[str] | None]:
+    """The tokenizer's added tokens (text -> id), and the pattern that cuts a text at them;
+    None where the pieces would not tokenize as the whole (see the module's docstring)."""
+    backend = tokenizer.backend
+    added = backend.get_added_tokens_decoder()
+    plain = all(
+        not (t.lstrip or t.rstrip or t.single_word or (t.normalized and backend.normalizer))
+        for t in added.values()
+    )
+    if not added or not plain:
+        return {}, None
+    by_text = {t.content: i for i, t in added.items()}
+    # Longest first: where two added tokens start at one place, the longer one is taken.
+    alternatives = sorted(by_text, key=len, reverse=True)
+    return by_text, re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
 
 
 def _token_id(value: Any) -> bool:

@@ -66,10 +66,16 @@ def prompts(smollm2: Path) -> PromptTokenizer:
     return PromptTokenizer.load(smollm2, max_tokens=4096)
 
 
+@pytest.fixture(scope="module")
+def engine_tokenizer(smollm2: Path) -> Tokenizer:
+    """The engine's own tokenizer, loaded as the engine loads it."""
+    return Tokenizer.from_pretrained(smollm2)
+
+
 def test_the_prompt_is_tokenized_as_the_engine_tokenizes_it(
-    prompts: PromptTokenizer, smollm2: Path
+    prompts: PromptTokenizer, engine_tokenizer: Tokenizer
 ) -> None:
-    tok = Tokenizer.from_pretrained(smollm2)
+    tok = engine_tokenizer
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     chat = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
     assert prompts.tokens({"messages": messages}) == chat
@@ -105,7 +111,7 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     st.fixed_dictionaries(
         {},
@@ -169,7 +175,7 @@ events = (
 )
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     st.one_of(
         st.binary(max_size=200),
@@ -210,3 +216,30 @@ def test_a_well_formed_event_with_any_values_is_applied_or_refused(event: BlockS
     except MalformedBatch:
         return
     ReplicaBlocks(max_blocks=8).apply(batch, VllmHasher())
+
+
+chat_text = st.lists(
+    st.text(max_size=30)
+    | st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "  \n", "1234", " <|im_"]),
+    max_size=6,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["system", "user", "assistant"]), "content": chat_text}
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_a_chat_tokenized_piece_by_piece_is_the_engines_tokens(
+    prompts: PromptTokenizer, engine_tokenizer: Tokenizer, messages: list[dict[str, str]]
+) -> None:
+    tok = engine_tokenizer
+    expected = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    # Twice: the second time from the piece cache.
+    assert prompts.tokens({"messages": messages}) == expected
+    assert prompts.tokens({"messages": messages}) == expected

@@ -11,6 +11,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from fleetllm.api.contract import KV_EVENTS_PORT, KV_REPLAY_PORT
 from fleetllm.api.manifests import parse_llmdeployment
@@ -26,20 +27,22 @@ from fleetllm.router.discovery import KVEventsEndpoint, parse_endpoint_slice, pa
 
 
 def _cr(backend: str = "builtin", strategy: str = "kv-aware", **engine: Any) -> Any:
-    return parse_llmdeployment(
-        {
-            "apiVersion": "fleetllm.io/v1alpha1",
-            "kind": "LLMDeployment",
-            "metadata": {"name": "smol", "namespace": "team-a", "uid": "u-1"},
-            "spec": {
-                "model": {"name": "smollm2-135m", "source": "hf://HuggingFaceTB/SmolLM2-135M"},
-                "engine": {"backend": backend, **engine},
-                "gpu": {"type": "cpu" if backend == "builtin" else "L4"},
-                "maxModelLen": 2048,
-                "routing": {"strategy": strategy},
-            },
-        }
+    gpu = "cpu" if backend == "builtin" else "L4"
+    doc = yaml.safe_load(
+        f"""\
+apiVersion: fleetllm.io/v1alpha1
+kind: LLMDeployment
+metadata: {{name: smol, namespace: team-a, uid: u-1}}
+spec:
+  model: {{name: smollm2-135m, source: "hf://HuggingFaceTB/SmolLM2-135M"}}
+  engine: {{backend: {backend}}}
+  gpu: {{type: {gpu}}}
+  maxModelLen: 2048
+  routing: {{strategy: {strategy}}}
+"""
     )
+    doc["spec"]["engine"].update(engine)
+    return parse_llmdeployment(doc)
 
 
 def _flag(args: tuple[str, ...], flag: str) -> str | None:

@@ -4,7 +4,9 @@ Part 1, added latency: one engine replica; N closed-loop clients (64 by default)
 completions through `fleetllm router serve` while N others stream straight to the same
 engine at the same time, so both paths ride the same engine batches. Reports p50/p99 of time
 to first token (TTFT) and of end-to-end latency per path, and the router's added latency
-(router minus direct).
+(router minus direct). With `--strategy kv-aware` the replica (the engine, or the stub with
+a publisher of its own) publishes KV events and the router follows them, tokenizing and
+looking up every prompt.
 
 Part 2, shared-prefix TTFT over 4 replicas: P long system prompts, each asked R times in a
 shuffled order under a concurrency cap, routed by `prefix`, `least-load` and `round-robin` in
@@ -15,6 +17,7 @@ prefix routing is for. Reports mean/median TTFT per strategy and round-robin / p
 
     python benchmarks/router.py                       # both parts, SmolLM2-135M
     python benchmarks/router.py --part latency --streams 64 --requests-per-client 3
+    python benchmarks/router.py --part latency --strategy kv-aware
     python benchmarks/router.py --part prefix --prompts 24 --requests-per-prompt 5
 """
 
@@ -150,9 +153,16 @@ def serve_stub(argv: list[str]) -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--interval", type=float, default=0.02)
+    p.add_argument("--kv-events-config", default=None, help="publish (no) KV events here")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     a = p.parse_args(argv)
+    if a.kv_events_config:
+        # A publisher that answers the router's checks: the stub holds no blocks.
+        from fleetllm.engine.kv_publisher import KVEventPublisher
+        from fleetllm.kv_events import parse_kv_events_config
+
+        KVEventPublisher(parse_kv_events_config(a.kv_events_config))
     event = (
         b'data: {"id":"cmpl-stub","object":"text_completion","created":0,"model":"bench",'
         b'"choices":[{"index":0,"text":" token","logprobs":null,"finish_reason":null}]}\n\n'
@@ -182,17 +192,33 @@ async def latency_part(args: argparse.Namespace, workdir: Path, stub: bool) -> d
     so the difference between them is the router's delay. Each client's first request
     (connection set-up, cold caches) is not counted."""
     with processes() as procs:
+        events = kv_events(workdir / ("stub" if stub else "engine"))
+        extra = ["--kv-events-config", json.dumps(events[0])] if args.strategy == "kv-aware" else []
         if stub:
             program = [sys.executable, str(Path(__file__).resolve()), "--serve-stub"]
-            engine = Proc(["--interval", str(args.stub_interval)], workdir / "stub.log", program)
+            stub_args = ["--interval", str(args.stub_interval), *extra]
+            engine = Proc(stub_args, workdir / "stub.log", program)
         else:
-            engine = Proc(engine_args(args, args.latency_model), workdir / "latency-engine.log")
+            engine_log = workdir / "latency-engine.log"
+            engine = Proc(engine_args(args, args.latency_model, *extra), engine_log)
         procs.append(engine)
         fleet = workdir / "latency-fleet.json"
-        fleet.write_text(json.dumps({"models": {"bench": [engine.url]}}))
-        router = Proc(["router", "serve", "--fleet-file", str(fleet)], workdir / "router.log")
+        replica: dict[str, Any] = {"url": engine.url}
+        model: dict[str, Any] = {"replicas": [replica]}
+        if extra:
+            from fleetllm.engine.model_files import resolve_model
+
+            replica["kvEvents"] = events[1]
+            model["tokenizer"] = str(resolve_model(args.latency_model))
+        fleet.write_text(json.dumps({"models": {"bench": model}}))
+        router = Proc(
+            ["router", "serve", "--fleet-file", str(fleet), "--strategy", args.strategy],
+            workdir / "router.log",
+        )
         procs.append(router)
         await wait_healthy([engine, router])
+        if extra:
+            await asyncio.sleep(3)  # the router follows the replica's events
 
         samples: dict[str, dict[str, list[float]]] = {
             "direct": {"ttft": [], "e2e": []},
@@ -226,6 +252,8 @@ async def latency_part(args: argparse.Namespace, workdir: Path, stub: bool) -> d
             ))  # fmt: skip
     result: dict[str, Any] = {
         "upstream": f"stub, one event per {args.stub_interval}s" if stub else args.latency_model,
+        "strategy": args.strategy,
+        "loadavg": [round(x, 1) for x in os.getloadavg()],
         "streams_per_path": args.streams,
         "requests_per_path": len(samples["router"]["ttft"]),
     }
@@ -237,6 +265,14 @@ async def latency_part(args: argparse.Namespace, workdir: Path, stub: bool) -> d
             result[f"{metric}_p{q}_router_ms"] = round(v * 1000, 2)
             result[f"{metric}_p{q}_added_ms"] = round((v - d) * 1000, 2)
     return result
+
+
+def kv_events(base: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """A replica's --kv-events-config on Unix sockets, and the fleet file's `kvEvents`."""
+    base.mkdir(parents=True, exist_ok=True)
+    endpoint, replay = f"ipc://{base}/events", f"ipc://{base}/replay"
+    config = {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay}
+    return config, {"endpoint": endpoint, "replayEndpoint": replay}
 
 
 # -- part 2 ----------------------------------------------------------------------------------
@@ -355,6 +391,9 @@ def main() -> int:
     p.add_argument("--latency-model", default="smollm2-135m", help="model of the latency part")
     p.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--streams", type=int, default=64)
+    p.add_argument(
+        "--strategy", default="prefix", help="latency part: the router's strategy (default prefix)"
+    )
     p.add_argument("--requests-per-client", type=int, default=3)
     p.add_argument("--stagger", type=float, default=2.0, help="seconds over which clients start")
     p.add_argument("--max-tokens", type=int, default=32, help="latency part: tokens per stream")

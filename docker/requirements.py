@@ -17,6 +17,7 @@ from pathlib import Path
 
 # Needed only by fleetllm.engine (torch is installed first, from its own index, in the engine
 # images), and by `fleetllm up` (rich, psutil), which runs engines and is no image's command.
+# (tokenizers and jinja2 stay: the router tokenizes prompts for kv-aware routing.)
 ENGINE_ONLY = frozenset(
     {
         "rich",
@@ -24,12 +25,10 @@ ENGINE_ONLY = frozenset(
         "torch",
         "numpy",
         "safetensors",
-        "tokenizers",
         "gguf",
         "ninja",
         "tqdm",
         "platformdirs",
-        "jinja2",
         "fastapi",
         "uvicorn",
     }

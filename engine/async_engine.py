@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fleetllm.engine.engine import EngineStats, LLMEngine
+from fleetllm.engine.kv_publisher import KVEventPublisher
 from fleetllm.engine.request import RequestFailedError, RequestOutput, merge_deltas
 from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -135,10 +136,13 @@ class AsyncEngine:
         *,
         max_waiting_requests: int | None = None,
         on_step: StepObserver | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         self._factory = factory
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
+        self.kv_events = kv_events
+        """Where the KV-cache events of each iteration go, if anywhere."""
         self.on_overload: Callable[[], None] | None = None
         """Called for each submission refused because the waiting queue is full (a metric)."""
         self._cond = threading.Condition()
@@ -291,6 +295,7 @@ class AsyncEngine:
             log.exception("the engine failed to load")
             self._call(self._on_dead, exc)
             return
+        self._publish_kv_events(engine)
         self._call(self._on_loaded, engine)
         try:
             self._loop_forever(engine)
@@ -327,7 +332,9 @@ class AsyncEngine:
                     stepped = engine.step()
                 finally:
                     self._step_started = None
-            # Stats first: a caller that sees its request finish then reads fresh counters.
+            # Events and stats first: a caller that sees its request finish then reads fresh
+            # counters, and a router can know the request's blocks before its next turn.
+            self._publish_kv_events(engine)
             self.stats = stats = engine.stats()
             outputs = aborted + stepped
             if self.on_step is not None:
@@ -335,6 +342,10 @@ class AsyncEngine:
             if outputs:
                 # Outputs of requests whose client left are dropped in _deliver.
                 self._call(self._deliver, outputs)
+
+    def _publish_kv_events(self, engine: LLMEngine) -> None:
+        if self.kv_events is not None and (events := engine.kv.take_events()):
+            self.kv_events.publish(events)
 
     def _add(self, engine: LLMEngine, stream: RequestStream) -> None:
         """Queue a stream's requests, all or none. `add_request` changes nothing when it

@@ -3,44 +3,28 @@
 Pure Python, no tensors: the model runner owns the cache tensors, this module decides which
 blocks each request's tokens live in.
 
-Prefix caching: a full block is identified by a chained SHA-256 of (parent block's hash, its
-token ids), so equal hashes mean equal whole prefixes. The chain starts at a root that holds the
-request's `cache_salt`: requests with different salts never share a block. A cryptographic hash
-matters here: blocks are looked up by hash alone, so two different prefixes whose keys collide
-would share KV entries, and a client able to craft such collisions (easy with Python's `hash`)
-could poison other tenants' outputs. Each full block is hashed once, when the request's tokens
-first cover it, and registered in the cache once, when it is first fully computed; per-step
-work therefore does not grow with a request's length.
+Prefix caching: a full block is cached under its chained key (`fleetllm.block_hash`: the
+parent's key and its tokens, from a root that holds the request's `cache_salt`), which the
+router computes too. Each full block is hashed once, when the request's tokens first cover
+it, and registered in the cache once, when it is first fully computed; per-step work
+therefore does not grow with a request's length.
 
 Blocks whose reference count drops to zero stay in the cache and sit in a free queue in LRU
 order; they are evicted (their hash forgotten) only when an allocation needs them.
+
+With KV events on, every change to the set of cached keys is recorded, in order, as vLLM's
+events (`fleetllm.kv_events`): blocks stored, blocks evicted, and a clear at the start (a new
+engine holds nothing, whatever a subscriber believed of the one before it).
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-BlockHash = bytes  # a SHA-256 digest
-
-_UNSALTED_ROOT: BlockHash = hashlib.sha256(b"fleetllm-prefix-cache\0").digest()
-
-
-def root_hash(cache_salt: str | None = None) -> BlockHash:
-    """The parent of a request's first block: one per salt, and one for no salt."""
-    if cache_salt is None:
-        return _UNSALTED_ROOT
-    return hashlib.sha256(b"fleetllm-prefix-cache-salt\0" + cache_salt.encode()).digest()
-
-
-def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """SHA-256 over a canonical encoding: the parent's 32 bytes, then each token id as a
-    little-endian signed 64-bit integer. Every input has one encoding and a block's length is
-    fixed, so distinct (parent, tokens) pairs only share a key through a SHA-256 collision."""
-    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
+from fleetllm.block_hash import BlockHash, hash_block, root_hash
+from fleetllm.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass
@@ -71,6 +55,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks + 1))
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         self.num_touched = 0
+        self.events: list[KVEvent] | None = None
+        """Where changes to the cached keys are recorded, in order (None: not recorded)."""
 
     @property
     def num_free(self) -> int:
@@ -93,8 +79,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 # Evicting the least recently used cached block.
-                del self._cached[block.block_hash]
-                block.block_hash = None
+                self._forget(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -114,22 +99,41 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 
-    def cache(self, block: Block, block_hash: BlockHash) -> None:
-        """Register a full block under its hash, unless an equal block is already cached."""
+    def cache(self, block: Block, block_hash: BlockHash) -> bool:
+        """Register a full block under its hash, unless an equal block is already cached;
+        whether it was registered."""
         if block.block_hash is None and block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block.block_id
+            return True
+        return False
 
     def reset_prefix_cache(self) -> None:
-        for block_hash, block_id in list(self._cached.items()):
+        for block_id in list(self._cached.values()):
             if self.blocks[block_id].ref_cnt == 0:
-                self.blocks[block_id].block_hash = None
-                del self._cached[block_hash]
+                self._forget(self.blocks[block_id])
+
+    def cached_hashes(self) -> set[BlockHash]:
+        """Every key in the cache now."""
+        return set(self._cached)
+
+    def _forget(self, block: Block) -> None:
+        assert block.block_hash is not None
+        del self._cached[block.block_hash]
+        if self.events is not None:
+            last = self.events[-1] if self.events else None
+            # Evictions in a row travel as one event.
+            if isinstance(last, BlockRemoved):
+                last.block_hashes.append(block.block_hash)
+            else:
+                self.events.append(BlockRemoved([block.block_hash], MEDIUM_GPU))
+        block.block_hash = None
 
 
 @dataclass
 class _RequestBlocks:
-    root: BlockHash = _UNSALTED_ROOT
+    root: BlockHash = field(default_factory=root_hash)
+    cache_salt: str | None = None
     blocks: list[Block] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)  # the ids of `blocks`
     hashes: list[BlockHash] = field(default_factory=list)  # of the request's full blocks
@@ -139,10 +143,18 @@ class _RequestBlocks:
 class KVCacheManager:
     """Per-request block tables over a `BlockPool`."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        enable_kv_events: bool = False,
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        if enable_kv_events:
+            self.pool.events = [AllBlocksCleared()]
         self._reported_touched = 0
         self._requests: dict[str, _RequestBlocks] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -180,7 +192,7 @@ class KVCacheManager:
         """
         entry = self._requests.get(request_id)
         if entry is None:
-            entry = self._requests[request_id] = _RequestBlocks(root_hash(cache_salt))
+            entry = self._requests[request_id] = _RequestBlocks(root_hash(cache_salt), cache_salt)
         if not self.enable_prefix_caching:
             return []
         usable = (len(token_ids) - 1) // self.block_size
@@ -230,9 +242,48 @@ class KVCacheManager:
         if full <= entry.num_registered:
             return
         self._extend_hashes(entry, token_ids, full)
+        stored_from = None  # the first block of the run of blocks just registered
         for i in range(entry.num_registered, full):
-            self.pool.cache(entry.blocks[i], entry.hashes[i])
+            if self.pool.cache(entry.blocks[i], entry.hashes[i]):
+                if stored_from is None:
+                    stored_from = i
+            elif stored_from is not None:
+                self._record_stored(entry, token_ids, stored_from, i)
+                stored_from = None
+        if stored_from is not None:
+            self._record_stored(entry, token_ids, stored_from, full)
         entry.num_registered = full
+
+    def _record_stored(
+        self, entry: _RequestBlocks, token_ids: Sequence[int], start: int, end: int
+    ) -> None:
+        """Blocks start..end of a request just entered the cache (an event, when on)."""
+        events = self.pool.events
+        if events is None:
+            return
+        bs = self.block_size
+        # vLLM's per-block extra keys: the salt marks a salted sequence's first block.
+        salted = start == 0 and entry.cache_salt is not None
+        events.append(
+            BlockStored(
+                block_hashes=entry.hashes[start:end],
+                parent_block_hash=entry.hashes[start - 1] if start else None,
+                token_ids=list(token_ids[start * bs : end * bs]),
+                block_size=bs,
+                lora_id=None,
+                medium=MEDIUM_GPU,
+                lora_name=None,
+                extra_keys=[(entry.cache_salt,), *[None] * (end - 1)] if salted else None,
+            )
+        )
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Release the request's blocks past those `num_tokens` tokens need (the slots of

@@ -159,6 +159,13 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
         "Qwen, SmolLM2) or llama3_json (Llama 3.x's JSON)",
     )
     p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help='publish KV-cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
+        '"topic": "kv-events"}\' (vLLM\'s keys and defaults)',
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("FLEETLLM_API_KEY"),
         help="require 'Authorization: Bearer <key>' on the API (default: $FLEETLLM_API_KEY)",
@@ -222,7 +229,7 @@ def _serve(args: argparse.Namespace) -> int:
     from fleetllm.engine.quantization import check_quantization
     from fleetllm.engine.server import ServerSettings, run_server
     from fleetllm.engine.serving_tools import ToolSettings
-    from fleetllm.engine.tokenizer import load_chat_template
+    from fleetllm.tokenizer import load_chat_template
 
     for flag, value, low in (
         ("--port", args.port, 0),
@@ -257,6 +264,7 @@ def _serve(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=args.speculative_config,
+        kv_events_config=args.kv_events_config,
     )
     # Fail fast, before binding, on what can be checked without loading the weights.
     config.validate()

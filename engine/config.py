@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fleetllm.engine import cpu_features, sizing
+from fleetllm.kv_events import KVEventsConfig, parse_kv_events_config
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -308,6 +309,11 @@ class EngineConfig:
     quantization: str | None = None  # weight-only: int8, or fp8 on GPUs that have it
     kv_cache_dtype: str = "auto"  # auto (the model dtype), int8, or fp8 on such GPUs
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = field(default=None)
+    kv_events_config: KVEventsConfig | str | None = None  # vLLM's --kv-events-config JSON
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return isinstance(self.kv_events_config, KVEventsConfig) and self.kv_events_config.enabled
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -345,3 +351,7 @@ class EngineConfig:
                 f"{', '.join(KV_CACHE_DTYPES)}"
             )
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if isinstance(self.kv_events_config, str):
+            self.kv_events_config = parse_kv_events_config(self.kv_events_config)
+        if self.publishes_kv_events and not self.enable_prefix_caching:
+            raise ValueError("KV cache events describe the prefix cache: enable prefix caching")

@@ -39,8 +39,8 @@ from fleetllm.engine.sampling_params import SamplingParams
 from fleetllm.engine.scheduler import ScheduledRequest, Scheduler
 from fleetllm.engine.spec_decode import NgramProposer, verify
 from fleetllm.engine.stop_strings import StopStringMatcher
-from fleetllm.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from fleetllm.engine.worker import WorkerSpec
+from fleetllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,9 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, config.publishes_kv_events
+        )
         self.step_builder = StepBuilder(self.kv)
         spec = config.speculative_config
         assert spec is None or isinstance(spec, SpeculativeConfig)  # parsed by validate()

@@ -31,7 +31,7 @@ import llguidance
 import torch
 
 from fleetllm.engine.sampling_params import StructuredOutputsParams
-from fleetllm.engine.tokenizer import Tokenizer
+from fleetllm.tokenizer import Tokenizer
 
 # The constraint's own text (a schema, regex, grammar or choices): compile time and the
 # grammar's size grow with it.

@@ -13,7 +13,7 @@ from fleetllm.engine.config import EngineConfig, SpeculativeConfig
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.request import RequestOutput
 from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
-from fleetllm.engine.tokenizer import Tokenizer
+from fleetllm.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 Message = dict[str, Any]

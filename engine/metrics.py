@@ -81,6 +81,13 @@ class EngineMetrics:
             [LABEL],
             registry=self.registry,
         ).labels(model_name)
+        self.kv_events_dropped = Counter(
+            "fleetllm:kv_events_dropped",
+            "KV-event batches dropped because the publisher's queue was full (subscribers see "
+            "a gap in the sequence numbers that no replay fills).",
+            [LABEL],
+            registry=self.registry,
+        ).labels(model_name)
         self._last_token_time: dict[str, float] = {}  # engine thread only
 
     def observe_step(self, outputs: list[RequestOutput], stats: EngineStats) -> None:

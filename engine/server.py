@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fleetllm.engine.async_engine import AsyncEngine
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.engine import LLMEngine
+from fleetllm.engine.kv_publisher import KVEventPublisher
 from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.engine.protocol import (
     ChatCompletionRequest,
@@ -59,6 +60,7 @@ from fleetllm.engine.serving_models import ServedModels
 from fleetllm.engine.serving_tokenization import OpenAIServingTokenization
 from fleetllm.engine.serving_tools import ToolSettings
 from fleetllm.errors import APIError, error_body
+from fleetllm.kv_events import KVEventsConfig
 from fleetllm.logs import configure_logging
 from fleetllm.version import __version__
 
@@ -147,13 +149,17 @@ def create_app(
     factory: Callable[[], LLMEngine],
     *,
     max_waiting_requests: int | None = None,
+    kv_events: KVEventsConfig | None = None,
 ) -> FastAPI:
     """The app over an engine that `factory` builds on the engine thread. The engine starts
-    with the app's lifespan, or by `app.state.server.engine.start()` where none runs."""
+    with the app's lifespan, or by `app.state.server.engine.start()` where none runs. With
+    `kv_events`, its sockets are opened here (a taken address fails at once)."""
     engine = AsyncEngine(factory, max_waiting_requests=max_waiting_requests)
     metrics = EngineMetrics(settings.model_names[0], lambda: engine.stats)
     engine.on_step = metrics.observe_step
     engine.on_overload = metrics.rejected.inc
+    if kv_events is not None and kv_events.enabled:
+        engine.kv_events = KVEventPublisher(kv_events, on_drop=metrics.kv_events_dropped.inc)
     state = ServerState(settings, engine, metrics)
 
     @contextlib.asynccontextmanager
@@ -162,6 +168,8 @@ def create_app(
             engine.start()
         yield
         await asyncio.to_thread(engine.shutdown)
+        if engine.kv_events is not None:
+            await asyncio.to_thread(engine.kv_events.close)
 
     app = FastAPI(
         title="fleetllm engine",
@@ -376,7 +384,12 @@ def run_server(
 ) -> int:
     """Serve until drained by a signal; the exit code (0 after a drain, 1 if loading failed)."""
     configure_logging(log_level, include_text=settings.log_requests_text)
-    app = create_app(settings, lambda: LLMEngine(config), max_waiting_requests=max_waiting_requests)
+    app = create_app(
+        settings,
+        lambda: LLMEngine(config),
+        max_waiting_requests=max_waiting_requests,
+        kv_events=config.kv_events_config if config.publishes_kv_events else None,
+    )
     state: ServerState = app.state.server
     engine = state.engine
     uv_config = uvicorn.Config(

@@ -52,8 +52,8 @@ from fleetllm.engine.serving_models import ServedModels
 from fleetllm.engine.serving_params import truncate_prompt
 from fleetllm.engine.serving_sse import SSE_DONE, HeldTokens, SSEResponse, sse
 from fleetllm.engine.serving_tools import ToolSettings
-from fleetllm.engine.tokenizer import Tokenizer
 from fleetllm.errors import APIError, bad_request
+from fleetllm.tokenizer import Tokenizer
 from fleetllm.version import __version__
 
 log = logging.getLogger("fleetllm.engine.requests")

@@ -22,6 +22,7 @@ from fleetllm.api.contract import (
     PORT_NAME,
     child_labels,
     child_names,
+    kv_event_ports,
     selector_labels,
 )
 from fleetllm.api.deployment import API_VERSION, KIND, LLMDeployment
@@ -108,7 +109,12 @@ def render_service(cr: LLMDeployment) -> dict[str, Any]:
                     "targetPort": PORT_NAME,
                     "protocol": "TCP",
                     "appProtocol": "http",
-                }
+                },
+                # The router finds each replica's KV-event sockets on its EndpointSlices.
+                *(
+                    {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+                    for name, port in kv_event_ports(cr).items()
+                ),
             ],
         },
     }
@@ -294,7 +300,13 @@ def _pod_spec(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[str
         "image": plan.status.image,
         "command": list(plan.command),
         "args": list(plan.args),
-        "ports": [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"},
+            *(
+                {"name": name, "containerPort": port, "protocol": "TCP"}
+                for name, port in kv_event_ports(cr).items()
+            ),
+        ],
         "env": _env(cr),
         "resources": _resources(cr, plan, config),
         "volumeMounts": mounts,

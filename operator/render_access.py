@@ -12,6 +12,7 @@ from fleetllm.api.contract import (
     PORT_NAME,
     child_names,
     engine_key_secret,
+    kv_event_ports,
     selector_labels,
 )
 from fleetllm.api.deployment import LLMDeployment
@@ -45,8 +46,14 @@ def _fleet_peer(config: OperatorConfig, component: str) -> dict[str, Any]:
 def render_networkpolicy(
     cr: LLMDeployment, config: OperatorConfig, metadata: dict[str, Any]
 ) -> dict[str, Any]:
-    peers = [_fleet_peer(config, "router"), _fleet_peer(config, "operator")]
+    router = _fleet_peer(config, "router")
+    peers = [router, _fleet_peer(config, "operator")]
     peers += [dict(peer) for peer in config.policy.engine_ingress_from]
+    ingress = [{"from": peers, "ports": [{"port": PORT_NAME, "protocol": "TCP"}]}]
+    if events := kv_event_ports(cr):
+        # Prompt tokens travel in the events: the router alone reads them.
+        ports = [{"port": name, "protocol": "TCP"} for name in events]
+        ingress.append({"from": [dict(router)], "ports": ports})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -54,7 +61,7 @@ def render_networkpolicy(
         "spec": {
             "podSelector": {"matchLabels": selector_labels(cr.metadata.name)},
             "policyTypes": ["Ingress", "Egress"],
-            "ingress": [{"from": peers, "ports": [{"port": PORT_NAME, "protocol": "TCP"}]}],
+            "ingress": ingress,
             "egress": [
                 {"to": [{"ipBlock": {"cidr": cidr, "except": [metadata_ip]}}]}
                 for cidr, metadata_ip in METADATA_CIDRS.items()

@@ -85,6 +85,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=d.prefix_chars,
         help="prefix: characters of the rendered prompt that key the hash (default: %(default)s)",
     )
+    g.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=DIR",
+        help="kv-aware: the directory of MODEL's tokenizer files (tokenizer.json, "
+        "tokenizer_config.json, chat_template.jinja), for a model whose discovery names none; "
+        "repeatable",
+    )
+    g.add_argument(
+        "--kv-index-max-blocks",
+        type=int,
+        default=d.kv_index_max_blocks,
+        help="kv-aware: block keys kept per replica (default: %(default)s)",
+    )
+    g.add_argument(
+        "--kv-events-stale-after",
+        type=float,
+        default=d.kv_events_stale_after,
+        help="kv-aware: seconds after which a replica whose event stream cannot be checked is "
+        "routed by prefix hash (default: %(default)s)",
+    )
 
     g = p.add_argument_group("upstream")
     g.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
@@ -232,6 +254,9 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         load_factor=args.load_factor,
         session_header=args.session_header,
         prefix_chars=args.prefix_chars,
+        kv_index_max_blocks=args.kv_index_max_blocks,
+        kv_events_stale_after=args.kv_events_stale_after,
+        tokenizers=tuple(_model_dir(value) for value in args.tokenizer),
         connect_timeout=args.connect_timeout,
         first_byte_timeout=args.first_byte_timeout,
         request_timeout=args.request_timeout,
@@ -255,6 +280,13 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         # The env only (the chart's `<release>-engine-keys` Secret): never a flag, seen in `ps`.
         engine_key_root=os.environ.get(ENGINE_KEY_ROOT_ENV, "").encode(),
     )
+
+
+def _model_dir(value: str) -> tuple[str, str]:
+    model, sep, directory = value.partition("=")
+    if not sep or not model or not directory:
+        raise ValueError(f"--tokenizer takes MODEL=DIR, got {value!r}")
+    return model, directory
 
 
 def _serve(args: argparse.Namespace) -> int:

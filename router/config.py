@@ -27,6 +27,18 @@ class RouterSettings:
     """How much of the rendered prompt keys the prefix strategy: enough to cover a typical
     system prompt, so that requests which share one share a replica."""
 
+    # kv-aware: what the router keeps of each replica's KV cache, and how.
+    kv_index_max_blocks: int = 1 << 18
+    """Block keys kept per replica (past it, the oldest are forgotten)."""
+    kv_max_prompt_tokens: int = 1 << 15
+    """Only this many leading prompt tokens are tokenized and looked up."""
+    kv_events_probe_interval: float = 1.0
+    """How often each replica's event stream is checked against its replay buffer."""
+    kv_events_stale_after: float = 5.0
+    """A replica whose check has not answered for this long is routed as if unknown."""
+    tokenizers: tuple[tuple[str, str], ...] = ()
+    """(model, directory) of tokenizers for models whose discovery names none."""
+
     # Upstream timeouts (seconds) and retries.
     connect_timeout: float = 5.0
     first_byte_timeout: float = 120.0
@@ -87,6 +99,10 @@ class RouterSettings:
         checks = {
             "load factor": self.load_factor >= 1,
             "prefix chars": self.prefix_chars >= 1,
+            "kv index max blocks": self.kv_index_max_blocks >= 1,
+            "kv max prompt tokens": self.kv_max_prompt_tokens >= 1,
+            "kv events probe interval": self.kv_events_probe_interval > 0,
+            "kv events stale after": self.kv_events_stale_after > self.kv_events_probe_interval,
             "connect timeout": self.connect_timeout > 0,
             "first byte timeout": self.first_byte_timeout > 0,
             "request timeout": self.request_timeout > 0,

@@ -29,7 +29,14 @@ import aiohttp
 import yaml
 from pydantic import ValidationError
 
-from fleetllm.api.contract import LABEL_MANAGED_BY, MANAGER, PORT_NAME, child_names
+from fleetllm.api.contract import (
+    KV_EVENTS_PORT_NAME,
+    KV_REPLAY_PORT_NAME,
+    LABEL_MANAGED_BY,
+    MANAGER,
+    PORT_NAME,
+    child_names,
+)
 from fleetllm.api.deployment import GROUP, KIND, LLMDEPLOYMENTS, RoutingSpec
 from fleetllm.api.manifests import format_validation_error
 from fleetllm.kube.client import KubeClient
@@ -46,12 +53,21 @@ CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER}"
 
 
 @dataclass(frozen=True)
+class KVEventsEndpoint:
+    """Where a replica publishes its KV-cache events (ZeroMQ addresses, vLLM's transport)."""
+
+    events: str
+    replay: str
+
+
+@dataclass(frozen=True)
 class ReplicaRef:
     url: str
     draining: bool = False
     engine: tuple[str, str, str] | None = None
     """(namespace, name, uid) of the LLMDeployment whose engine this is, where discovery knows
     it: the router sends it the key derived from these (see `contract.engine_key`)."""
+    kv_events: KVEventsEndpoint | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,9 @@ class ModelRoute:
     """The engines' name for the model, where it differs from `name` (the id clients use)."""
     aliases: tuple[str, ...] = ()
     """Other ids clients may use for this model."""
+    tokenizer: str | None = None
+    """A directory with the model's tokenizer files, where the router can read one (the
+    kv-aware strategy tokenizes prompts as the engines do)."""
 
 
 Fleet = Mapping[str, ModelRoute]
@@ -110,9 +129,20 @@ def normalize_url(value: Any, where: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+def parse_kv_events_endpoint(doc: Any, where: str) -> KVEventsEndpoint:
+    if (
+        not isinstance(doc, dict)
+        or set(doc) != {"endpoint", "replayEndpoint"}
+        or not all(isinstance(a, str) and a.startswith(("tcp://", "ipc://")) for a in doc.values())
+    ):
+        raise ValueError(f"{where}: expected {{endpoint, replayEndpoint}}, tcp:// or ipc://")
+    return KVEventsEndpoint(doc["endpoint"], doc["replayEndpoint"])
+
+
 def parse_static_fleet(doc: Any, where: str = "fleet") -> dict[str, ModelRoute]:
-    """`models: {NAME: [URL, ...]}` or `models: {NAME: {replicas: [URL | {url, draining}],
-    routing: {strategy, loadFactor, sessionHeader}}}`; an empty list is a model at zero."""
+    """`models: {NAME: [URL, ...]}` or `models: {NAME: {replicas: [URL | {url, draining,
+    kvEvents: {endpoint, replayEndpoint}}], routing: {strategy, loadFactor, sessionHeader},
+    tokenizer: DIR}}`; an empty list is a model at zero."""
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
@@ -126,13 +156,17 @@ def parse_static_fleet(doc: Any, where: str = "fleet") -> dict[str, ModelRoute]:
         if not isinstance(name, str) or not name:
             raise ValueError(f"{where}: model names must be non-empty strings")
         routing = None
+        tokenizer = None
         if isinstance(entry, list) or entry is None:
             replicas_doc = entry or []
         elif isinstance(entry, dict):
-            unknown = set(entry) - {"replicas", "routing"}
+            unknown = set(entry) - {"replicas", "routing", "tokenizer"}
             if unknown:
                 raise ValueError(f"{at}: unknown fields {sorted(unknown)}")
             replicas_doc = entry.get("replicas") or []
+            tokenizer = entry.get("tokenizer")
+            if tokenizer is not None and (not isinstance(tokenizer, str) or not tokenizer):
+                raise ValueError(f"{at}.tokenizer: expected a directory")
             if entry.get("routing") is not None:
                 try:
                     routing = RoutingSpec.model_validate(entry["routing"])
@@ -145,15 +179,21 @@ def parse_static_fleet(doc: Any, where: str = "fleet") -> dict[str, ModelRoute]:
         refs: dict[str, ReplicaRef] = {}
         for index, item in enumerate(replicas_doc):
             item_at = f"{at}.replicas[{index}]"
+            events = None
             if isinstance(item, dict):
+                unknown = set(item) - {"url", "draining", "kvEvents"}
+                if unknown:
+                    raise ValueError(f"{item_at}: unknown fields {sorted(unknown)}")
                 url = normalize_url(item.get("url"), item_at)
                 draining = item.get("draining", False)
                 if not isinstance(draining, bool):
                     raise ValueError(f"{item_at}.draining: expected true or false")
+                if item.get("kvEvents") is not None:
+                    events = parse_kv_events_endpoint(item["kvEvents"], f"{item_at}.kvEvents")
             else:
                 url, draining = normalize_url(item, item_at), False
-            refs[url] = ReplicaRef(url, draining)
-        fleet[name] = ModelRoute(name, tuple(refs.values()), routing)
+            refs[url] = ReplicaRef(url, draining, kv_events=events)
+        fleet[name] = ModelRoute(name, tuple(refs.values()), routing, tokenizer=tokenizer)
     return fleet
 
 
@@ -319,9 +359,9 @@ def parse_service(obj: Mapping[str, Any]) -> ServiceInfo | None:
     )
 
 
-def _endpoint_url(address: str, port: int) -> str:
+def _endpoint_url(address: str, port: int, scheme: str = "http") -> str:
     host = f"[{address}]" if ":" in address else address
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
 
 
 def parse_endpoint_slice(obj: Mapping[str, Any]) -> SliceInfo | None:
@@ -332,8 +372,11 @@ def parse_endpoint_slice(obj: Mapping[str, Any]) -> SliceInfo | None:
     if not service:
         return None
     ports = [p for p in obj.get("ports") or [] if isinstance(p, dict) and p.get("port")]
+    by_name = {p.get("name"): p["port"] for p in ports if isinstance(p["port"], int)}
     named = [p for p in ports if p.get("name") == PORT_NAME]
     port = (named or ports or [{}])[0].get("port")
+    events_port = by_name.get(KV_EVENTS_PORT_NAME)
+    replay_port = by_name.get(KV_REPLAY_PORT_NAME)
     refs: dict[str, ReplicaRef] = {}
     if isinstance(port, int):
         for endpoint in obj.get("endpoints") or []:
@@ -347,7 +390,13 @@ def parse_endpoint_slice(obj: Mapping[str, Any]) -> SliceInfo | None:
             if not ready and not terminating:
                 continue
             url = _endpoint_url(addresses[0], port)
-            refs[url] = ReplicaRef(url, draining=terminating or not ready)
+            events = None
+            if events_port is not None and replay_port is not None:
+                events = KVEventsEndpoint(
+                    _endpoint_url(addresses[0], events_port, "tcp"),
+                    _endpoint_url(addresses[0], replay_port, "tcp"),
+                )
+            refs[url] = ReplicaRef(url, draining=terminating or not ready, kv_events=events)
     return SliceInfo(
         namespace=meta.get("namespace") or "default",
         service=service,

@@ -105,6 +105,35 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        # kv-aware: how well the router knows what the replicas cache.
+        self.kv_resyncs = Counter(
+            "fleetllm:router_kv_events_resyncs",
+            "Times the router's view of a replica's KV cache lost history and was rebuilt "
+            "(a gap no replay filled, a restarted publisher, a malformed batch).",
+            ["model", "replica", "reason"],
+            registry=r,
+        )
+        self.kv_predictions = Counter(
+            "fleetllm:router_kv_predictions",
+            "kv-aware requests whose answer reported cached tokens, by how the prediction "
+            "compared: exact, over (predicted more) or under.",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.kv_predicted_tokens = Counter(
+            "fleetllm:router_kv_predicted_cached_tokens",
+            "Prompt tokens the router predicted the chosen replica had cached, over the "
+            "requests counted in fleetllm:router_kv_predictions.",
+            ["model"],
+            registry=r,
+        )
+        self.kv_reported_tokens = Counter(
+            "fleetllm:router_kv_reported_cached_tokens",
+            "usage.prompt_tokens_details.cached_tokens the replicas reported, over the same "
+            "requests.",
+            ["model"],
+            registry=r,
+        )
 
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
 
@@ -118,7 +147,7 @@ class RouterMetrics:
 
     def forget_replica(self, model: str, replica: str) -> None:
         """Drop a replica's series, so that churn (new pod addresses) does not grow them."""
-        for metric in (self.inflight, self.replica_up, self.upstream):
+        for metric in (self.inflight, self.replica_up, self.upstream, self.kv_resyncs):
             for key in [k for k in self._children if k[0] == metric._name]:
                 labels = key[1]
                 if labels[:2] == (model, replica):
@@ -137,6 +166,12 @@ class RouterMetrics:
 
     def forget_model(self, model: str) -> None:
         self.set_model_replicas(model, None, None)
+
+    def record_prediction(self, model: str, predicted: int, reported: int) -> None:
+        outcome = "exact" if predicted == reported else "over" if predicted > reported else "under"
+        self.child(self.kv_predictions, model, outcome).inc()
+        self.child(self.kv_predicted_tokens, model).inc(predicted)
+        self.child(self.kv_reported_tokens, model).inc(reported)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,18 +17,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import zmq.asyncio
 
 from fleetllm.httpread import TooLarge, read_bounded
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import (
     Discovery,
     Fleet,
+    KVEventsEndpoint,
     ModelRoute,
     discovery_summary,
     has_credentials,
 )
 from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldQueue
+from fleetllm.router.kv_feed import FeedSettings
+from fleetllm.router.kv_routing import KVRouting
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.model_card import fetch_max_model_len
 from fleetllm.router.replicas import Replica
@@ -43,6 +47,7 @@ from fleetllm.router.strategies import (
     HashRing,
     bounded_prefix,
     least_load,
+    most_cached,
     prefix_text,
     rendezvous,
     round_robin,
@@ -68,6 +73,7 @@ class PooledReplica:
     card_read: bool = False
     """Its model card was asked for since it last turned healthy (once: a replica without
     one is not asked again and again)."""
+    kv_events: KVEventsEndpoint | None = None
     removed: bool = False
     """Out of the pool: its series are gone and nothing may create them again."""
 
@@ -87,6 +93,8 @@ class ModelPool:
         self.strategy = settings.strategy
         self.load_factor = settings.load_factor
         self.session_header = settings.session_header
+        self.kv: KVRouting | None = None
+        """The kv-aware strategy's feeds, index and tokenizer, while the model uses it."""
         self.configure(route, settings)
 
     def configure(self, route: ModelRoute, settings: RouterSettings) -> None:
@@ -169,6 +177,7 @@ class ReplicaPool:
         """Other ids clients may use -> the model's id (see ModelRoute.aliases)."""
         self.synced = False
         self._session: aiohttp.ClientSession | None = None
+        self._zmq: zmq.asyncio.Context | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -179,6 +188,7 @@ class ReplicaPool:
             for pooled in model.replicas.values():
                 if pooled.scraper is None:
                     pooled.scraper = asyncio.create_task(self._scrape_loop(model, pooled))
+            self._sync_kv(model)
 
     async def stop(self) -> None:
         tasks = list(self._background)
@@ -187,6 +197,11 @@ class ReplicaPool:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for model in self.models.values():
+            if model.kv is not None:
+                await model.kv.stop()
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)
@@ -215,6 +230,8 @@ class ReplicaPool:
                 model.removed = True
                 for url in list(model.replicas):
                     self._drop_replica(model, url)
+                if model.kv is not None:
+                    self._spawn(model.kv.stop())
                 self.metrics.forget_model(name)
                 model.hold.notify()
         self.aliases = {alias: name for name, route in fleet.items() for alias in route.aliases}
@@ -245,8 +262,10 @@ class ReplicaPool:
                     pooled.replica.draining = ref.draining
                     # A pod's address taken over by another LLMDeployment's pod.
                     pooled.replica.engine = ref.engine
+                pooled.kv_events = ref.kv_events
                 self.refresh_up(model, pooled)
             model.rebuild_ring()
+            self._sync_kv(model)
             if model.has_available():
                 model.hold.notify()
         if not self.synced or log.isEnabledFor(logging.DEBUG):
@@ -258,6 +277,44 @@ class ReplicaPool:
         pool = self.models.get(model)
         pooled = pool.replicas.get(url) if pool is not None else None
         return pooled.replica.in_flight if pooled is not None else 0
+
+    def _sync_kv(self, model: ModelPool) -> None:
+        """Start, follow or stop the model's kv-aware state as its strategy and replicas
+        change (feeds run on the event loop: only once the pool is started)."""
+        if model.strategy != "kv-aware" or model.removed:
+            if model.kv is not None:
+                self._spawn(model.kv.stop())
+                model.kv = None
+            return
+        if self._session is None:
+            return
+        settings = self.settings
+        if model.kv is None:
+            metrics = self.metrics
+
+            def resynced(replica: str, reason: str, name: str = model.name) -> None:
+                metrics.child(metrics.kv_resyncs, name, replica, reason).inc()
+
+            model.kv = KVRouting(
+                model.name,
+                settings.kv_index_max_blocks,
+                settings.kv_max_prompt_tokens,
+                FeedSettings(
+                    probe_interval=settings.kv_events_probe_interval,
+                    stale_after=settings.kv_events_stale_after,
+                ),
+                on_resync=resynced,
+            )
+        if self._zmq is None:
+            self._zmq = zmq.asyncio.Context()
+        route = model.route
+        names = {route.name, route.served_name}
+        given = [d for m, d in settings.tokenizers if m in names]
+        model.kv.update(
+            self._zmq,
+            {url: pooled.kv_events for url, pooled in model.replicas.items()},
+            route.tokenizer or (given[0] if given else None),
+        )
 
     def _drop_replica(self, model: ModelPool, url: str) -> None:
         pooled = model.replicas.pop(url)
@@ -315,17 +372,30 @@ class ReplicaPool:
     # -- choosing ----------------------------------------------------------------------------
 
     def order(
-        self, model: ModelPool, payload: Mapping[str, Any], headers: Mapping[str, str]
+        self,
+        model: ModelPool,
+        payload: Mapping[str, Any],
+        headers: Mapping[str, str],
+        predicted: dict[str, int] | None = None,
     ) -> list[Replica]:
-        """The available replicas, best first by the model's strategy."""
+        """The available replicas, best first by the model's strategy. kv-aware fills
+        `predicted` with the prompt tokens each replica will find cached, where it knows."""
         available = model.available(time.monotonic())
+        if model.kv is not None and available:
+            cached = model.kv.predict(payload, [r.url for r in available])
+            if cached is not None and predicted is not None:
+                predicted.update(cached)
+        else:
+            cached = None
         if len(available) <= 1:
             return available
         candidates = [r.candidate() for r in available]
         strategy = model.strategy
-        if strategy == "prefix":
+        if strategy in ("prefix", "kv-aware"):
             key = stable_hash(prefix_text(payload, self.settings.prefix_chars))
             ordered = bounded_prefix(model.ring, key, candidates, model.load_factor)
+            if cached is not None:
+                ordered = most_cached(ordered, cached, model.load_factor)
         elif strategy == "round-robin":
             ordered = round_robin(candidates, model.turn)
             model.turn += 1

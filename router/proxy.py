@@ -46,10 +46,12 @@ from fleetllm.router.sse import (
     EventSplitter,
     EventTooLarge,
     First,
+    answer_usage,
+    cached_tokens,
     error_event,
     first_kind,
-    usage_tokens,
-    usage_tokens_sse,
+    stream_usage,
+    total_tokens,
 )
 from fleetllm.router.upstream_auth import replica_headers
 
@@ -93,6 +95,7 @@ class _Context:
         "key",
         "model",
         "payload",
+        "predicted",
         "replica",
         "request",
         "request_id",
@@ -119,6 +122,14 @@ class _Context:
         self.client_gone = False
         self.tokens = 0
         """Tokens to charge to the key's budget (usage, else an estimate), once known."""
+        self.predicted: dict[str, int] = {}
+        """kv-aware: replica -> prompt tokens it was predicted to hold cached."""
+
+    def wants_usage(self) -> bool:
+        """Whether the answer's usage is read: for the key's token budget, or to check the
+        prediction of cached tokens."""
+        budget = self.key is not None and self.key.tokens_per_minute is not None
+        return budget or self.replica in self.predicted
 
 
 class Proxy:
@@ -285,7 +296,7 @@ class Proxy:
             plan = [r for r in plan if r.url not in tried and r.available(now)]
             if plan:
                 replica = plan.pop(0)
-            elif ordered := self.pool.order(model, ctx.payload, ctx.request.headers):
+            elif ordered := self.pool.order(model, ctx.payload, ctx.request.headers, ctx.predicted):
                 plan = [r for r in ordered if r.url not in tried] or ordered
                 replica = plan.pop(0)
             else:
@@ -359,8 +370,8 @@ class Proxy:
                         data = await read_bounded(upstream, settings.max_answer_bytes)
                         if await self._judge(lease, upstream.status):
                             return _Failure(upstream.status, data, content_type)
-                        if ctx.key is not None and ctx.key.tokens_per_minute is not None:
-                            ctx.tokens = usage_tokens(data) or len(ctx.body) // 4
+                        if ctx.wants_usage():
+                            self._account(ctx, answer_usage(data), 0)
                         return web.Response(
                             status=upstream.status,
                             body=data,
@@ -396,6 +407,16 @@ class Proxy:
                     upstream.release()
                 else:
                     upstream.close()
+
+    def _account(self, ctx: _Context, usage: dict[str, Any] | None, events: int) -> None:
+        """What a successful answer's usage says: the tokens to charge (an estimate from the
+        prompt's size and the events relayed where it has none), and how the cached tokens
+        it reports compare with kv-aware's prediction."""
+        ctx.tokens = total_tokens(usage) or len(ctx.body) // 4 + events
+        predicted = ctx.predicted.get(ctx.replica or "")
+        reported = cached_tokens(usage)
+        if predicted is not None and reported is not None:
+            self.metrics.record_prediction(ctx.model, predicted, reported)
 
     @staticmethod
     async def _judge(lease: Lease, status: int) -> bool:
@@ -440,7 +461,7 @@ class Proxy:
         self.metrics.child(self.metrics.first_byte, lease.model.name).observe(
             ctx.first_byte - ctx.arrival
         )
-        count_tokens = ctx.key is not None and ctx.key.tokens_per_minute is not None
+        count_tokens = ctx.wants_usage()
         count = 0
         tail = b""
         block = first
@@ -476,7 +497,7 @@ class Proxy:
         finally:
             # Also when the client leaves (its handler is cancelled): what was relayed counts.
             if count_tokens:
-                ctx.tokens = usage_tokens_sse(tail) or len(ctx.body) // 4 + count
+                self._account(ctx, stream_usage(tail), count)
         with contextlib.suppress(ConnectionResetError):
             await out.write_eof()
         return out

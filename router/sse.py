@@ -1,5 +1,6 @@
 """What the proxy reads in the answers it relays, as pure functions over bytes: server-sent
-event framing, the error event that ends a broken stream, and token usage for rate limits."""
+event framing, the error event that ends a broken stream, and token usage (for rate limits,
+and the cached tokens kv-aware routing predicted)."""
 
 from __future__ import annotations
 
@@ -18,41 +19,53 @@ def error_event(message: str, status: int = 502) -> bytes:
     return b"data: " + error_json(status, message) + SSE_END + DONE_EVENT
 
 
-def usage_tokens(data: bytes) -> int:
-    """Total tokens of a JSON answer, from its `usage`; 0 where it has none."""
+def answer_usage(data: bytes) -> dict[str, Any] | None:
+    """The `usage` of a JSON answer; None where it has none."""
     try:
         usage = json.loads(data).get("usage")
     except (ValueError, AttributeError):
-        return 0
-    return _total(usage)
+        return None
+    return usage if isinstance(usage, dict) else None
 
 
-def usage_tokens_sse(block: bytes) -> int:
+def stream_usage(block: bytes) -> dict[str, Any] | None:
     """The usage of a stream, from its closing events (present with include_usage)."""
     if b'"usage"' not in block:
-        return 0
+        return None
     for event in reversed(block.split(SSE_END)):
         if event.startswith(b"data: {") and b'"usage"' in event:
             try:
-                total = _total(json.loads(event[6:]).get("usage"))
+                usage = json.loads(event[6:]).get("usage")
             except ValueError:
                 continue
-            if total:
-                return total
-    return 0
+            if isinstance(usage, dict) and total_tokens(usage):
+                return usage
+    return None
 
 
-def _total(usage: Any) -> int:
+def total_tokens(usage: dict[str, Any] | None) -> int:
     """OpenAI's `total_tokens`, else the sum of the parts: OpenAI's prompt and completion
-    tokens, or the input and output tokens of the Responses and Anthropic APIs. A negative
-    count (a replica's nonsense) is no credit to the key."""
-    if not isinstance(usage, dict):
+    tokens, or the input and output tokens of the Responses and Anthropic APIs; 0 where it
+    counts none. A count that is not one (negative, a bool, absurdly large: a replica's
+    nonsense) is no credit to the key."""
+    if usage is None:
         return 0
     total = usage.get("total_tokens")
-    if isinstance(total, int):
-        return max(0, total)
+    if _count(total):
+        return total
     names = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
-    return sum(max(0, p) for p in map(usage.get, names) if isinstance(p, int))
+    return sum(p for p in map(usage.get, names) if _count(p))
+
+
+def cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens`; None where it is not given."""
+    details = usage.get("prompt_tokens_details") if usage is not None else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if _count(cached) else None
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 53
 
 
 class First(enum.Enum):

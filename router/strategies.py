@@ -112,6 +112,18 @@ def bounded_prefix(
     return fits + [c for c in ordered if c.in_flight + 1 > capacity]
 
 
+def most_cached(
+    ordered: Sequence[Candidate], cached: Mapping[str, int], load_factor: float
+) -> list[Candidate]:
+    """kv-aware: the replicas under the load bound first (as `bounded_prefix` bounds them),
+    each group by most prompt tokens cached, ties in the given order (the prefix ring's, so
+    that requests sharing a prompt nobody holds yet still meet on one replica)."""
+    if not ordered:
+        return []
+    capacity = load_capacity(sum(c.in_flight for c in ordered), len(ordered), load_factor)
+    return sorted(ordered, key=lambda c: (c.in_flight + 1 > capacity, -cached.get(c.id, 0)))
+
+
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content

@@ -24,6 +24,22 @@ ENGINE_PORT = 8000
 PORT_NAME = "http"
 """The name of that port on the container and on the Service (probes and discovery use it)."""
 
+KV_EVENTS_PORT = 5557
+"""Where an engine publishes its KV-cache events (vLLM's default port), for a model routed
+`kv-aware`; the replay port serves the batches a subscriber missed."""
+KV_REPLAY_PORT = 5558
+KV_EVENTS_PORT_NAME = "kv-events"
+KV_REPLAY_PORT_NAME = "kv-replay"
+KV_EVENTS_TOPIC = "kv-events"
+
+
+def kv_event_ports(cr: LLMDeployment) -> dict[str, int]:
+    """Name -> port of the KV-event sockets an engine of `cr` opens: none unless the model
+    is routed kv-aware (the events carry prompt tokens; only the router reads them)."""
+    if cr.spec.routing.strategy != "kv-aware":
+        return {}
+    return {KV_EVENTS_PORT_NAME: KV_EVENTS_PORT, KV_REPLAY_PORT_NAME: KV_REPLAY_PORT}
+
 
 def selector_labels(name: str) -> dict[str, str]:
     """The immutable subset of labels that selects one LLMDeployment's engine pods."""

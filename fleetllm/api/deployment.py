@@ -255,13 +255,18 @@ class GPUSpec(SpecModel):
 class RoutingSpec(SpecModel):
     """How the router spreads this model's requests over its replicas."""
 
-    strategy: Literal["prefix", "least-load", "round-robin", "session"] = Field(
+    strategy: Literal["prefix", "least-load", "round-robin", "session", "kv-aware"] = Field(
         "prefix",
         description="prefix: consistent hashing on the prompt prefix with bounded load; "
-        "least-load; round-robin; session: sticky by a request header.",
+        "least-load; round-robin; session: sticky by a request header; kv-aware: the replica "
+        "whose KV cache holds most of the prompt, as its KV-cache events tell, with bounded "
+        "load (the engines publish their events; prefix where the router cannot know).",
     )
     load_factor: float = Field(
-        1.25, ge=1, le=10, description="prefix: no replica takes more than this x mean load."
+        1.25,
+        ge=1,
+        le=10,
+        description="prefix, kv-aware: no replica takes more than this x mean load.",
     )
     session_header: str = Field(
         "x-session-id", min_length=1, description="session: the header that keys a session."

@@ -4,20 +4,25 @@ on this machine. Pure: the planned command with local addresses, no I/O.
 A local replica runs the planned engine command with the planned arguments (planned for this
 machine: the weights are where the local cache keeps them); only what a pod gets from
 Kubernetes changes: the address (loopback, a free port; the router is the one way in), the
-executable (this environment's, so the engine is the installed one) and, for CPU replicas, a
-share of this machine's cores.
+KV-event sockets of a model routed kv-aware (Unix sockets in a private folder, not the pod's
+ports), the executable (this environment's, so the engine is the installed one) and, for CPU
+replicas, a share of this machine's cores.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.local.vllm import cpu_env
+from fleetllm.planner.engine_argv import KV_EVENTS_FLAG
 from fleetllm.planner.plan import Plan
 from fleetllm.planner.timing import startup_seconds
 from fleetllm.router.config import RouterSettings
+from fleetllm.router.discovery import KVEventsEndpoint
 
 LOOPBACK = "127.0.0.1"
 VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -83,20 +88,42 @@ def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(arg == flag or arg.startswith(flag + "=") for arg in args)
 
 
-def local_args(model: LocalModel, port: int) -> list[str]:
-    """The planned arguments, listening on loopback:`port` instead of the pod's address."""
+def kv_events_endpoint(model: LocalModel, sockets: Path, port: int) -> KVEventsEndpoint | None:
+    """Where the replica listening on `port` publishes its KV events: Unix sockets in
+    `sockets` (a folder only this user reaches); None unless its model is routed kv-aware."""
+    if KV_EVENTS_FLAG not in model.plan.args:
+        return None
+    return KVEventsEndpoint(f"ipc://{sockets}/{port}-events", f"ipc://{sockets}/{port}-replay")
+
+
+def local_args(model: LocalModel, port: int, events: KVEventsEndpoint | None = None) -> list[str]:
+    """The planned arguments, listening on loopback:`port` instead of the pod's address, and
+    publishing KV events at `events` instead of the pod's ports."""
     args = list(model.plan.args)
     for flag, value in (("--host", LOOPBACK), ("--port", str(port))):
         if flag in args:
             args[args.index(flag) + 1] = value
         else:
             args += [flag, value]
+    if KV_EVENTS_FLAG in args:
+        if events is None:
+            raise ValueError(f"model {model.name} publishes KV events: give it their sockets")
+        at = args.index(KV_EVENTS_FLAG) + 1
+        config = {**json.loads(args[at]), "endpoint": events.events}
+        config["replay_endpoint"] = events.replay
+        args[at] = json.dumps(config, separators=(",", ":"))
     return args
 
 
-def replica_argv(model: LocalModel, port: int, *, threads: int | None) -> list[str]:
+def replica_argv(
+    model: LocalModel,
+    port: int,
+    *,
+    threads: int | None,
+    events: KVEventsEndpoint | None = None,
+) -> list[str]:
     """The full command line of one replica listening on loopback:`port`."""
-    args = local_args(model, port)
+    args = local_args(model, port, events)
     # Extra args the user gave win over this local default.
     if model.backend == "builtin" and threads is not None and not _has_flag(args, "--num-threads"):
         args += ["--num-threads", str(threads)]

@@ -15,7 +15,9 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from fleetllm.local.launch import (
     CorePool,
     GPUPool,
     LocalModel,
+    kv_events_endpoint,
     replica_argv,
     replica_env,
     spec_env,
@@ -42,7 +45,7 @@ from fleetllm.local.policy import (
 )
 from fleetllm.local.process import GuardedProcess, describe_exit, free_port
 from fleetllm.local.status import ModelView, ReplicaView
-from fleetllm.router.discovery import Fleet, ModelRoute, Publish, ReplicaRef
+from fleetllm.router.discovery import Fleet, KVEventsEndpoint, ModelRoute, Publish, ReplicaRef
 
 log = logging.getLogger("fleetllm.local")
 
@@ -67,6 +70,7 @@ class Replica:
     process: GuardedProcess | None = None
     devices: tuple[str, ...] | None = None
     cores: tuple[int, ...] | None = None
+    kv_events: KVEventsEndpoint | None = None
     failures: int = 0
     restarts: int = 0
     ready_since: float | None = None
@@ -95,6 +99,7 @@ class ModelFleet:
     replicas: dict[int, Replica] = field(default_factory=dict)
     next_key: int = 0
     prepared: bool = False
+    model_dir: str | None = None  # where the model was prepared (the router's tokenizer)
     preparing: tuple[int, int, str] | None = None
     last_scale: str | None = None
     load: Load = field(default_factory=Load)
@@ -112,11 +117,12 @@ class ModelFleet:
 
     def route(self) -> ModelRoute:
         refs = tuple(
-            ReplicaRef(r.url, draining=r.state is State.DRAINING)
+            ReplicaRef(r.url, draining=r.state is State.DRAINING, kv_events=r.kv_events)
             for r in self.replicas.values()
             if r.url and r.state in (State.READY, State.DRAINING)
         )
-        return ModelRoute(self.name, refs, self.model.cr.spec.routing, None, self.desired)
+        routing = self.model.cr.spec.routing
+        return ModelRoute(self.name, refs, routing, None, self.desired, tokenizer=self.model_dir)
 
 
 class LocalDiscovery:
@@ -172,6 +178,8 @@ class Supervisor:
         self.session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._preparing: list[GuardedProcess] = []
+        # KV-event sockets: a private folder, its path short (Unix socket paths are bounded).
+        self.sockets = Path(tempfile.mkdtemp(prefix="fleetllm-kv-"))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -207,6 +215,7 @@ class Supervisor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
     def fail(self, message: str) -> None:
         """Something the fleet cannot go on without: stop, and exit non-zero."""
@@ -318,6 +327,7 @@ class Supervisor:
                     if "total" in record:
                         fleet.preparing = (record["done"], record["total"], record["unit"])
                     error = record.get("error", error)
+                    fleet.model_dir = record.get("path", fleet.model_dir)
                 code = await process.wait()
             finally:
                 fleet.preparing = None
@@ -327,6 +337,7 @@ class Supervisor:
             if code != 0:
                 self.fail(f"model {fleet.name}: {error or describe_exit(code)}")
                 return
+        fleet.model_dir = fleet.model_dir or model.plan.model_path
         fleet.prepared = True
         self.reconcile(fleet)
 
@@ -407,7 +418,13 @@ class Supervisor:
         port = free_port()
         if not model.plan.gpu.is_gpu:
             replica.cores = self.cores.take()
-        argv = replica_argv(model, port, threads=len(replica.cores) if replica.cores else None)
+        replica.kv_events = kv_events_endpoint(model, self.sockets, port)
+        argv = replica_argv(
+            model,
+            port,
+            threads=len(replica.cores) if replica.cores else None,
+            events=replica.kv_events,
+        )
         env = replica_env(model, os.environ, replica.devices, replica.cores or ())
         replica.url = f"http://127.0.0.1:{port}"
         replica.ready_since = None

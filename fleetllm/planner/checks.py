@@ -40,6 +40,14 @@ def check_backend(spec: LLMDeploymentSpec, gpu: GPUType) -> None:
                 f"that have it) and serves no {quant.weights} checkpoints; use "
                 "engine.backend: vllm",
             )
+    seeded = any(var.name == "PYTHONHASHSEED" for var in spec.engine.env)
+    if backend == "vllm" and spec.routing.strategy == "kv-aware" and seeded:
+        raise PlanError(
+            "UnsupportedRouting",
+            "routing.strategy kv-aware: PYTHONHASHSEED in engine.env seeds vLLM's block "
+            "hashes, which the router computes with vLLM's default seed; remove it, or "
+            "route by prefix",
+        )
     if backend == "vllm" and quant.kv_cache == "int8":
         raise PlanError(
             "UnsupportedQuantization", "vLLM has no int8 KV cache; use quantization.kvCache: fp8"

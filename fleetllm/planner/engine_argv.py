@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from fleetllm.api.catalog import GPUType
-from fleetllm.api.contract import ENGINE_PORT
+from fleetllm.api.contract import ENGINE_PORT, KV_EVENTS_PORT, KV_EVENTS_TOPIC, KV_REPLAY_PORT
 from fleetllm.api.deployment import LLMDeploymentSpec
 from fleetllm.planner.memory import MemoryEstimate
 from fleetllm.planner.vllm_cpu import KV_FLAG, kv_cache_bytes
@@ -77,7 +77,8 @@ def engine_command(
             builtin += ["--quantization", quant.weights]
         if quant.kv_cache != "auto":
             builtin += ["--kv-cache-dtype", quant.kv_cache]
-        return ("fleetllm", "engine", "serve"), (*builtin, *_speculative_args(spec))
+        builtin += [*_speculative_args(spec), *kv_events_args(spec)]
+        return ("fleetllm", "engine", "serve"), tuple(builtin)
     # `vllm serve MODEL`: the positional form (vLLM deprecates --model there).
     args = [
         model_path,
@@ -105,7 +106,7 @@ def engine_command(
         args += ["--quantization", flag]
     if quant.kv_cache != "auto":
         args += ["--kv-cache-dtype", quant.kv_cache]
-    args += _speculative_args(spec)
+    args += [*_speculative_args(spec), *kv_events_args(spec)]
     return ("vllm", "serve"), tuple(args)
 
 
@@ -120,6 +121,31 @@ def waiting_bound(max_num_seqs: int) -> int:
     """Requests one builtin engine keeps waiting for a slot: a few batches' worth (vLLM has
     no such bound; its queue is limited by the router's caps alone)."""
     return max(16, 4 * max_num_seqs)
+
+
+KV_EVENTS_FLAG = "--kv-events-config"
+
+
+def kv_events_args(spec: LLMDeploymentSpec) -> list[str]:
+    """A model routed kv-aware publishes its KV-cache events (vLLM's flag and format, both
+    backends) on the pod's events and replay ports. vLLM hashes blocks with SHA-256 from a
+    fixed seed, which the router reproduces: the algorithm is set here, whatever vLLM's
+    default becomes (the seed is vLLM's own unless PYTHONHASHSEED is set, which the planner
+    refuses for such a model); and vLLM reports the cached tokens of each answer, which the
+    router compares with what it predicted (the builtin engine always does)."""
+    if spec.routing.strategy != "kv-aware":
+        return []
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+        "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}",
+        "topic": KV_EVENTS_TOPIC,
+    }
+    args = [KV_EVENTS_FLAG, json.dumps(config, separators=(",", ":"))]
+    if spec.engine.backend == "vllm":
+        args += ["--prefix-caching-hash-algo", "sha256", "--enable-prompt-tokens-details"]
+    return args
 
 
 def _speculative_args(spec: LLMDeploymentSpec) -> list[str]:

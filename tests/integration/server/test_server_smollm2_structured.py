@@ -274,7 +274,7 @@ def test_the_model_sees_its_tools_through_the_template(servers: dict[str, Server
 
 
 def test_a_served_template_that_does_not_exist_is_refused_at_start(tmp_path: Path) -> None:
-    from fleetllm.engine.tokenizer import load_chat_template
+    from fleetllm.tokenizer import load_chat_template
 
     with pytest.raises(ValueError, match="not a file"):
         load_chat_template(str(tmp_path / "missing.jinja"))

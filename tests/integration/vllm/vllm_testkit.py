@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ import openai
 from local_services import free_port, stop_process
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetllm.local.launch import LocalModel, replica_argv, replica_env
+from fleetllm.local.launch import LocalModel, kv_events_endpoint, replica_argv, replica_env
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = "smollm2-135m"
@@ -32,6 +33,8 @@ GUARD_S = 120.0
 # cache given in bytes, vLLM then skips its torch.compile warm-up (150-210 s here; about 70 s
 # without), which the tier would otherwise pay for every replica it starts. Four sequence
 # slots, so that a few concurrent requests fill a replica (its metrics show them waiting).
+# Routed kv-aware: its replicas publish their KV events (a router over them may route by
+# another strategy all the same).
 MANIFEST = """\
 apiVersion: fleetllm.io/v1alpha1
 kind: LLMDeployment
@@ -47,13 +50,13 @@ spec:
   gpu: {type: cpu}
   maxModelLen: 1024
   pod: {resources: {limits: {memory: 3Gi}}}
+  routing: {strategy: kv-aware}
 """
 
 
 FLEET = (
-    MANIFEST
+    MANIFEST.replace("strategy: kv-aware", "strategy: least-load")
     + """\
-  routing: {strategy: least-load}
   scaling:
     minReplicas: 1
     maxReplicas: 2
@@ -101,8 +104,11 @@ class Replica:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("ab")
+        # Its KV-event sockets, where its model publishes them (a short path: Unix sockets).
+        self._sockets = tempfile.TemporaryDirectory(prefix="kv-")
+        self.kv_events = kv_events_endpoint(model, Path(self._sockets.name), self.port)
         self.proc = subprocess.Popen(
-            replica_argv(model, self.port, threads=None),
+            replica_argv(model, self.port, threads=None, events=self.kv_events),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=replica_env(model, os.environ, None, cores),
@@ -140,6 +146,7 @@ class Replica:
             except subprocess.TimeoutExpired:
                 self.kill()
         self._log.close()
+        self._sockets.cleanup()
 
 
 class Router:

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 import pytest
 
+from fleetllm.block_hash import hash_block, root_hash
 from fleetllm.engine import block_manager
-from fleetllm.engine.block_manager import BlockPool, KVCacheManager, hash_block, root_hash
+from fleetllm.engine.block_manager import BlockPool, KVCacheManager
 
 BS = 4
 

@@ -13,7 +13,7 @@ from tokenizers import decoders, models, normalizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from fleetllm.engine.model_files import resolve_model
-from fleetllm.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from fleetllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CORPUS = [
     "Hello world",

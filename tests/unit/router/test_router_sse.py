@@ -15,10 +15,12 @@ from fleetllm.router.sse import (
     EventSplitter,
     EventTooLarge,
     First,
+    answer_usage,
+    cached_tokens,
     error_event,
     first_kind,
-    usage_tokens,
-    usage_tokens_sse,
+    stream_usage,
+    total_tokens,
 )
 
 
@@ -112,17 +114,32 @@ def test_what_a_status_says_about_the_replica(status: int, verdict: Verdict) -> 
 
 
 def test_usage() -> None:
-    assert usage_tokens(b'{"usage": {"total_tokens": 7}}') == 7
-    assert usage_tokens(b'{"usage": {"prompt_tokens": 3, "completion_tokens": 4}}') == 7
-    assert usage_tokens(b"[]") == 0 and usage_tokens(b"nope") == 0
+    assert total_tokens(answer_usage(b'{"usage": {"total_tokens": 7}}')) == 7
+    usage = answer_usage(b'{"usage": {"prompt_tokens": 3, "completion_tokens": 4}}')
+    assert total_tokens(usage) == 7
+    assert answer_usage(b"[]") is None and answer_usage(b"nope") is None
+    assert total_tokens(None) == 0
     # The Responses and Anthropic APIs count input and output tokens.
-    assert usage_tokens(b'{"usage": {"input_tokens": 5, "output_tokens": 6}}') == 11
+    assert total_tokens({"input_tokens": 5, "output_tokens": 6}) == 11
     # A replica's negative count is no credit.
-    assert usage_tokens(b'{"usage": {"total_tokens": -50}}') == 0
-    assert usage_tokens(b'{"usage": {"input_tokens": -50, "output_tokens": 2}}') == 2
+    assert total_tokens({"total_tokens": -50}) == 0
+    assert total_tokens({"input_tokens": -50, "output_tokens": 2}) == 2
     tail = b'data: {"choices": []}\n\ndata: {"choices": [], "usage": {"total_tokens": 9}}\n\n'
-    assert usage_tokens_sse(tail + b"data: [DONE]\n\n") == 9
-    assert usage_tokens_sse(b'data: {"choices": []}\n\n') == 0
+    assert total_tokens(stream_usage(tail + b"data: [DONE]\n\n")) == 9
+    assert stream_usage(b'data: {"choices": []}\n\n') is None
+
+
+def test_cached_tokens_are_read_only_where_given_as_a_count() -> None:
+    def usage(details: object) -> dict[str, object]:
+        return {"total_tokens": 5, "prompt_tokens_details": details}
+
+    assert cached_tokens(usage({"cached_tokens": 32})) == 32
+    assert cached_tokens(usage({"cached_tokens": 0})) == 0
+    for bad in (None, {}, {"cached_tokens": -1}, {"cached_tokens": True}, {"cached_tokens": 1.5}):
+        assert cached_tokens(usage(bad)) is None
+    assert cached_tokens(None) is None
+    # A replica's absurd count is not believed either.
+    assert cached_tokens(usage({"cached_tokens": 1 << 60})) is None
 
 
 def test_the_event_splitter_cuts_whole_events_across_any_chunking() -> None:

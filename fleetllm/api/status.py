@@ -38,6 +38,11 @@ class PlanStatus(StatusModel):
     overhead_gib: float = Field(
         alias="overheadGiB", description="Activations and runtime per device."
     )
+    lora_gib: float | None = Field(
+        None,
+        alias="loraGiB",
+        description="LoRA adapter slots per device (on a CPU, with the adapters kept loaded).",
+    )
     kv_bytes_per_token: int = Field(description="KV bytes one token takes on one device.")
     max_concurrent_tokens: int = Field(description="KV capacity of a replica, in tokens.")
     max_concurrent_sequences: int = Field(description="Full maxModelLen sequences that fit.")

@@ -25,6 +25,7 @@ from fleetllm.api.deployment import KIND
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.login import Credentials, load_credentials
 from fleetllm.operator.handlers import OperatorState, build_registry, make_settings
+from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
 
 
 @pytest_asyncio.fixture()
@@ -64,15 +65,20 @@ class RunningOperator:
         priority: int | None = None,
         autoscale_interval: float = 5.0,
         resync_interval: float = 300.0,
+        adapter_interval: float = 10.0,
         settings: kopf.OperatorSettings | None = None,
         namespaces: list[str] | None = [NAMESPACE],  # noqa: B006 - never mutated
+        config: OperatorConfig = DEFAULT_CONFIG,
     ) -> None:
         client = KubeClient(load, user_agent=user_agent)
-        self.state = OperatorState.create(client, conflict_recheck_seconds=conflict_recheck_seconds)
+        self.state = OperatorState.create(
+            client, config, conflict_recheck_seconds=conflict_recheck_seconds
+        )
         self.priority = priority
         """None: standalone; else a peering member ("fleetllm") with this priority."""
         self.autoscale_interval = autoscale_interval
         self.resync_interval = resync_interval
+        self.adapter_interval = adapter_interval
         self.settings = settings
         self.namespaces = namespaces
         self._stop = threading.Event()
@@ -90,7 +96,9 @@ class RunningOperator:
         try:
             asyncio.run(
                 kopf.operator(
-                    registry=build_registry(self.autoscale_interval, self.resync_interval),
+                    registry=build_registry(
+                        self.autoscale_interval, self.resync_interval, self.adapter_interval
+                    ),
                     settings=settings,
                     memo=self.state,
                     clusterwide=self.namespaces is None,
@@ -138,8 +146,8 @@ async def start_operator(
         kubeconfig: Path = default, conflict_recheck_seconds: float = 0.5, **kwargs: Any
     ) -> RunningOperator:
         """kwargs: user_agent, priority (a peering member), autoscale_interval,
-        resync_interval, settings,
-        namespaces (see RunningOperator)."""
+        resync_interval, adapter_interval, settings, namespaces, config (see
+        RunningOperator)."""
         load = functools.partial(load_credentials, kubeconfig=kubeconfig)
         operator = RunningOperator(load, conflict_recheck_seconds, **kwargs)
         running.append(operator)

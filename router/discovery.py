@@ -35,6 +35,7 @@ from fleetllm.api.manifests import format_validation_error
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.resources import ENDPOINTSLICES, SERVICES, Resource
 from fleetllm.kube.watch import Backoff, Resync
+from fleetllm.router.adapters import AdapterRoute, adapters_of, parse_static_adapters
 from fleetllm.textfile import read_text
 
 log = logging.getLogger("fleetllm.router")
@@ -69,6 +70,8 @@ class ModelRoute:
     """The engines' name for the model, where it differs from `name` (the id clients use)."""
     aliases: tuple[str, ...] = ()
     """Other ids clients may use for this model."""
+    adapters: tuple[AdapterRoute, ...] = ()
+    """Its LoRA adapters, each served under its own name."""
 
 
 Fleet = Mapping[str, ModelRoute]
@@ -112,7 +115,8 @@ def normalize_url(value: Any, where: str) -> str:
 
 def parse_static_fleet(doc: Any, where: str = "fleet") -> dict[str, ModelRoute]:
     """`models: {NAME: [URL, ...]}` or `models: {NAME: {replicas: [URL | {url, draining}],
-    routing: {strategy, loadFactor, sessionHeader}}}`; an empty list is a model at zero."""
+    routing: {strategy, loadFactor, sessionHeader}, adapters: {ADAPTER: PATH}}}`; an empty list
+    is a model at zero."""
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
@@ -126,13 +130,15 @@ def parse_static_fleet(doc: Any, where: str = "fleet") -> dict[str, ModelRoute]:
         if not isinstance(name, str) or not name:
             raise ValueError(f"{where}: model names must be non-empty strings")
         routing = None
+        adapters: tuple[AdapterRoute, ...] = ()
         if isinstance(entry, list) or entry is None:
             replicas_doc = entry or []
         elif isinstance(entry, dict):
-            unknown = set(entry) - {"replicas", "routing"}
+            unknown = set(entry) - {"replicas", "routing", "adapters"}
             if unknown:
                 raise ValueError(f"{at}: unknown fields {sorted(unknown)}")
             replicas_doc = entry.get("replicas") or []
+            adapters = parse_static_adapters(entry.get("adapters"), f"{at}.adapters")
             if entry.get("routing") is not None:
                 try:
                     routing = RoutingSpec.model_validate(entry["routing"])
@@ -153,7 +159,7 @@ def parse_static_fleet(doc: Any, where: str = "fleet") -> dict[str, ModelRoute]:
             else:
                 url, draining = normalize_url(item, item_at), False
             refs[url] = ReplicaRef(url, draining)
-        fleet[name] = ModelRoute(name, tuple(refs.values()), routing)
+        fleet[name] = ModelRoute(name, tuple(refs.values()), routing, adapters=adapters)
     return fleet
 
 
@@ -245,6 +251,7 @@ class DeploymentInfo:
     routing: RoutingSpec
     replicas: int | None
     max_replicas: int | None = None
+    adapters: tuple[AdapterRoute, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -304,6 +311,7 @@ def parse_deployment(obj: Mapping[str, Any]) -> DeploymentInfo | None:
         routing=routing,
         replicas=replicas if isinstance(replicas, int) else None,
         max_replicas=max_replicas if isinstance(max_replicas, int) else None,
+        adapters=adapters_of(obj),
     )
 
 
@@ -405,6 +413,7 @@ def build_fleet(
                 d.max_replicas,
                 served_name=d.model,
                 aliases=() if qualified else (f"{d.namespace}/{d.model}",),
+                adapters=d.adapters,
             )
         else:
             merged = {r.url: r for r in route.replicas} | refs

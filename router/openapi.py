@@ -82,7 +82,8 @@ def openapi_schema(admin: bool) -> dict[str, Any]:
                 "security": [{"bearer": []}, {}],
                 "responses": {
                     "200": {
-                        "description": "Every model of the fleet, those at zero replicas too.",
+                        "description": "Every model of the fleet, those at zero replicas "
+                        "too, and their LoRA adapters (each with its model as `parent`).",
                         "content": {
                             "application/json": {
                                 "schema": {
@@ -98,6 +99,7 @@ def openapi_schema(admin: bool) -> dict[str, Any]:
                                                 "properties": {
                                                     "id": {"type": "string"},
                                                     "object": {"type": "string", "enum": ["model"]},
+                                                    "parent": {"type": "string", "nullable": True},
                                                 },
                                             },
                                         },

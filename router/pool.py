@@ -18,7 +18,10 @@ from typing import Any
 
 import aiohttp
 
+from fleetllm.adapters import AdapterError, list_adapters
+from fleetllm.api.contract import engine_key
 from fleetllm.httpread import TooLarge, read_bounded
+from fleetllm.router.adapters import AdapterLoads, AdapterRoute
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import (
     Discovery,
@@ -156,6 +159,12 @@ class ReplicaPool:
         self.models: dict[str, ModelPool] = {}
         self.aliases: dict[str, str] = {}
         """Other ids clients may use -> the model's id (see ModelRoute.aliases)."""
+        self.adapter_routes: dict[str, ModelRoute] = {}
+        """Each adapter as a client names it, resolved as models are (scopes, namespaces)."""
+        self.adapter_aliases: dict[str, str] = {}
+        self.adapter_of: dict[str, tuple[str, AdapterRoute]] = {}
+        """Adapter id -> (its model's id, the adapter)."""
+        self.loads = AdapterLoads()
         self.synced = False
         self._session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -184,16 +193,45 @@ class ReplicaPool:
 
     # -- the fleet ---------------------------------------------------------------------------
 
-    def resolve(self, requested: str, scope: Scope = EVERYTHING) -> ModelPool:
-        """The model a client's `model` names within its key's scope (see `scopes`); 404,
-        the same for a model out of scope as for one that does not exist, otherwise."""
+    def resolve(
+        self, requested: str, scope: Scope = EVERYTHING
+    ) -> tuple[ModelPool, AdapterRoute | None]:
+        """The model a client's `model` names within its key's scope (see `scopes`), and the
+        adapter when it names one of a model's adapters; 404, the same for a model out of
+        scope as for one that does not exist, otherwise. A model's name wins over an
+        adapter's."""
         routes = {name: model.route for name, model in self.models.items()}
         found = resolve(requested, routes, self.aliases, scope)
+        if found is None:
+            found = resolve(requested, self.adapter_routes, self.adapter_aliases, scope)
+            if isinstance(found, str):
+                model, adapter = self.adapter_of[found]
+                return self.models[model], adapter
         if isinstance(found, list):
             raise RouterError(404, ambiguous_message(requested, found), "model")
         if found is None:
             raise RouterError(404, missing_message(requested), "model")
-        return self.models[found]
+        return self.models[found], None
+
+    def _index_adapters(self, fleet: Fleet) -> None:
+        """Adapter ids as model ids are made (`build_fleet`): `NAMESPACE/ADAPTER` beside a
+        qualified model id, else the plain name with that as its alias."""
+        self.adapter_routes, self.adapter_aliases, self.adapter_of = {}, {}, {}
+        for model_id, route in fleet.items():
+            namespace = model_id.rpartition("/")[0] if "/" in model_id else None
+            for adapter in route.adapters:
+                adapter_id = f"{namespace}/{adapter.name}" if namespace else adapter.name
+                if adapter_id in self.adapter_of:
+                    continue  # two models of one namespace: the first by id keeps the name
+                aliases = ()
+                if namespace is None and route.owner is not None:
+                    aliases = (f"{route.owner[0]}/{adapter.name}",)
+                self.adapter_routes[adapter_id] = ModelRoute(
+                    adapter_id, owner=route.owner, served_name=adapter.name, aliases=aliases
+                )
+                self.adapter_aliases.update(dict.fromkeys(aliases, adapter_id))
+                self.adapter_of[adapter_id] = (model_id, adapter)
+            self.loads.forget(model_id, {a.name for a in route.adapters})
 
     def apply_fleet(self, fleet: Fleet) -> None:
         """Adopt what discovery reports: models and replicas come and go; a replica that
@@ -207,6 +245,7 @@ class ReplicaPool:
                 self.metrics.forget_model(name)
                 model.hold.notify()
         self.aliases = {alias: name for name, route in fleet.items() for alias in route.aliases}
+        self._index_adapters(fleet)
         for name, route in fleet.items():
             model = self.models.get(name)
             if model is None:
@@ -263,6 +302,18 @@ class ReplicaPool:
         if up and len(model.hold):
             model.hold.notify()
 
+    def auth_headers(self, replica: Replica) -> dict[str, str]:
+        """The key a replica requires: its LLMDeployment's, derived from the fleet's root;
+        else the one key of static replicas."""
+        engine = replica.engine
+        if self.settings.engine_key_root and engine is not None:
+            # This model's key only: one engine never sees another's.
+            key = engine_key(self.settings.engine_key_root, *engine)
+            return {"Authorization": f"Bearer {key}"}
+        if self.settings.upstream_api_key:
+            return {"Authorization": f"Bearer {self.settings.upstream_api_key}"}
+        return {}
+
     async def check_health(self, url: str) -> bool:
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout)
@@ -281,6 +332,8 @@ class ReplicaPool:
                     self.settings.max_metrics_bytes,
                 )
                 replica.record_scrape(healthy, sample)
+                if healthy and model.route.adapters:
+                    await self._list_adapters(replica)
             except MetricsTooLarge as exc:
                 # A replica that answers /metrics with more than the cap misbehaves: it is
                 # backed off (longer at each scrape in a row) rather than trusted with traffic.
@@ -299,19 +352,67 @@ class ReplicaPool:
                 )
             await asyncio.sleep(self.settings.scrape_interval)
 
+    async def _list_adapters(self, replica: Replica) -> None:
+        """What the replica holds now (a restarted replica holds nothing); the last known
+        when it does not say."""
+        assert self._session is not None
+        try:
+            listed = await list_adapters(
+                self._session,
+                replica.url,
+                headers=self.auth_headers(replica),
+                timeout=self.settings.scrape_timeout,
+            )
+        except AdapterError as exc:
+            log.debug("replica %s: no adapter listing: %s", replica.url, exc.message)
+            return
+        replica.adapters = frozenset(listed)
+
+    async def load_adapter(self, model: ModelPool, adapter: AdapterRoute) -> None:
+        """Load `adapter` on the least loaded available replica of `model` (or join the load
+        of it already running); RouterError when it cannot be served."""
+        refused = self.loads.refused(model.name, adapter)
+        if refused is not None:
+            raise refused
+        available = model.available(time.monotonic())
+        if not available:
+            return  # the caller holds the request until a replica is ready
+        target = least_load([r.candidate() for r in available], model.turn)[0]
+        replica = next(r for r in available if r.url == target.id)
+        assert self._session is not None
+        await self.loads.load(
+            self._session,
+            model.name,
+            adapter,
+            replica.url,
+            self.auth_headers(replica),
+            self.settings.first_byte_timeout,
+        )
+        replica.adapters = replica.adapters | {adapter.name}
+        log.info("loaded adapter %s of %s on %s", adapter.name, model.name, replica.url)
+
     # -- choosing ----------------------------------------------------------------------------
 
     def order(
-        self, model: ModelPool, payload: Mapping[str, Any], headers: Mapping[str, str]
+        self,
+        model: ModelPool,
+        payload: Mapping[str, Any],
+        headers: Mapping[str, str],
+        adapter: AdapterRoute | None = None,
     ) -> list[Replica]:
-        """The available replicas, best first by the model's strategy."""
+        """The available replicas, best first by the model's strategy; for an adapter, those
+        that hold it."""
         available = model.available(time.monotonic())
+        if adapter is not None:
+            available = [r for r in available if adapter.name in r.adapters]
         if len(available) <= 1:
             return available
         candidates = [r.candidate() for r in available]
         strategy = model.strategy
         if strategy == "prefix":
-            key = stable_hash(prefix_text(payload, self.settings.prefix_chars))
+            # Keyed by adapter too: the engines never share KV across adapters.
+            text = prefix_text(payload, self.settings.prefix_chars)
+            key = stable_hash(f"{adapter.name}\x00{text}" if adapter is not None else text)
             ordered = bounded_prefix(model.ring, key, candidates, model.load_factor)
         elif strategy == "round-robin":
             ordered = round_robin(candidates, model.turn)

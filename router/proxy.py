@@ -25,10 +25,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from fleetllm.api.contract import engine_key
 from fleetllm.errors import error_json
 from fleetllm.httpread import TooLarge, read_bounded
 from fleetllm.router.access import Access
+from fleetllm.router.adapters import AdapterRoute
 from fleetllm.router.auth import ApiKey, tenant_of
 from fleetllm.router.body import read_body
 from fleetllm.router.config import RouterSettings
@@ -83,6 +83,7 @@ class _Context:
     """One request on its way through the proxy."""
 
     __slots__ = (
+        "adapter",
         "arrival",
         "attempts",
         "body",
@@ -106,6 +107,8 @@ class _Context:
         self.arrival = arrival
         self.model = ""
         """The model's name once it is known to exist (metric labels never hold others)."""
+        self.adapter: AdapterRoute | None = None
+        """The LoRA adapter of the model the request names, if it names one."""
         self.body = b""
         self.payload: dict[str, Any] = {}
         self.key: ApiKey | None = None
@@ -139,10 +142,6 @@ class Proxy:
         # its cache across them); without one, each process picks its own.
         self._salt_secret = settings.cache_salt_secret or os.urandom(32)
         self._session: aiohttp.ClientSession | None = None
-        self._upstream_headers = {"Content-Type": "application/json"}
-        if settings.upstream_api_key:
-            self._upstream_headers["Authorization"] = f"Bearer {settings.upstream_api_key}"
-        self._engine_key_root = settings.engine_key_root
         # Timeouts past the connect are enforced per phase (first byte, whole request).
         self._upstream_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout
@@ -216,9 +215,9 @@ class Proxy:
         name = payload.get("model")
         if not isinstance(name, str) or not name:
             raise RouterError(400, "`model` is required and must be a string.", "model")
-        model = self.pool.resolve(name, ctx.key.scope if ctx.key else EVERYTHING)
+        model, ctx.adapter = self.pool.resolve(name, ctx.key.scope if ctx.key else EVERYTHING)
         changes: dict[str, Any] = {}
-        served = model.route.served_name or model.name
+        served = ctx.adapter.name if ctx.adapter else model.route.served_name or model.name
         if served != name:
             # An alias, a namespace-qualified id or a plain name of one: the engines know the
             # served name (a static fleet's engines serve its ids as they are).
@@ -280,14 +279,27 @@ class Proxy:
         # The strategy orders the replicas once; failover walks that order, and only asks
         # again once it is used up (so round robin does not skip a turn per retry).
         plan: list[Replica] = []
+        loads = 0
         while True:
             now = time.monotonic()
             plan = [r for r in plan if r.url not in tried and r.available(now)]
             if plan:
                 replica = plan.pop(0)
-            elif ordered := self.pool.order(model, ctx.payload, ctx.request.headers):
+            elif ordered := self.pool.order(model, ctx.payload, ctx.request.headers, ctx.adapter):
                 plan = [r for r in ordered if r.url not in tried] or ordered
                 replica = plan.pop(0)
+            elif ctx.adapter is not None and model.has_available():
+                # No replica holds the adapter: one loads it (at most twice per request, in
+                # case the one that loaded it goes before it takes this request).
+                if loads == 2:
+                    raise RouterError(
+                        503,
+                        f"No replica of `{model.name}` keeps the adapter `{ctx.adapter.name}`.",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+                    )
+                loads += 1
+                await self.pool.load_adapter(model, ctx.adapter)
+                continue
             else:
                 held_from = loop.time()
                 try:
@@ -326,11 +338,11 @@ class Proxy:
         replica could not serve (it has been backed off): another replica may."""
         loop = asyncio.get_running_loop()
         settings = self.settings
-        headers = {**self._upstream_headers, "X-Request-Id": ctx.request_id}
-        engine = lease.replica.engine
-        if self._engine_key_root and engine is not None:
-            # This model's key only: one engine never sees another's.
-            headers["Authorization"] = f"Bearer {engine_key(self._engine_key_root, *engine)}"
+        headers = {
+            "Content-Type": "application/json",
+            "X-Request-Id": ctx.request_id,
+            **self.pool.auth_headers(lease.replica),
+        }
         upstream: aiohttp.ClientResponse | None = None
         outcome = "error"
         events = EventSplitter(settings.max_event_bytes)
@@ -358,6 +370,13 @@ class Proxy:
                         body = error_json(502, "The replica refused the router's key for it.")
                         return _Failure(502, body, "application/json")
                     content_type = upstream.headers.get("Content-Type", "application/json")
+                    if upstream.status == 404 and ctx.adapter is not None:
+                        # The replica lost the adapter (it restarted since it was listed):
+                        # another holder, or a new load, takes the request.
+                        replica = lease.replica
+                        replica.adapters = replica.adapters - {ctx.adapter.name}
+                        data = await read_bounded(upstream, settings.max_event_bytes)
+                        return _Failure(404, data, content_type)
                     if not content_type.startswith("text/event-stream"):
                         phase.reschedule(deadline)  # the answer has begun
                         data = await read_bounded(upstream, settings.max_answer_bytes)

@@ -11,6 +11,7 @@ class Replica:
     """One replica of one model, addressed by its base URL (also its id on the hash ring)."""
 
     __slots__ = (
+        "adapters",
         "down_until",
         "draining",
         "engine",
@@ -44,6 +45,8 @@ class Replica:
         self.healthy: bool | None = None
         self.failures = 0
         self.down_until = 0.0
+        self.adapters: frozenset[str] = frozenset()
+        """The LoRA adapters it holds, as its /v1/models last listed them (and as loaded since)."""
 
     def available(self, now: float) -> bool:
         return not self.draining and self.healthy is not False and now >= self.down_until

@@ -189,6 +189,9 @@ class Router:
     async def handle_models(self, request: web.Request) -> web.Response:
         key = self.access.authenticate(request.headers.get("Authorization"))
         scope = key.scope if key is not None else EVERYTHING
+        models = visible((m.route for m in self.pool.models.values()), scope)
+        # Adapters as vLLM lists them: each a model of its own, with its model as `parent`.
+        adapters = visible(self.pool.adapter_routes.values(), scope)
         data = [
             {
                 "id": name,
@@ -196,9 +199,12 @@ class Router:
                 "created": self.created,
                 "owned_by": "fleetllm",
                 "root": name,
-                "parent": None,
+                "parent": parent,
             }
-            for name in visible((m.route for m in self.pool.models.values()), scope)
+            for name, parent in [
+                *((name, None) for name in models),
+                *((name, self.pool.adapter_of[name][0]) for name in adapters),
+            ]
         ]
         return web.json_response({"object": "list", "data": data})
 

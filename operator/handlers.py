@@ -11,7 +11,7 @@ Every path retries transient API failures without limit, with a capped backoff (
 One kopf timer steps the autoscaler (scaler.py) of each LLMDeployment the builtin
 autoscaler drives, every `autoscale_interval` seconds, on the peering leader only; after each
 reconcile of one it does not drive, the autoscaler stands down (its status fields go).
-Another steps the adapter loader (adapters.py) of each LLMDeployment with spec.lora, every
+Another steps the adapter loader (adapter_loader.py) of each LLMDeployment with spec.lora, every
 `adapter_interval` seconds, also on the leader only.
 kopf puts its finalizer on those LLMDeployments (and only on those), so that the timer stops
 before the object goes; nothing else needs cleanup beyond the garbage collection that
@@ -40,7 +40,7 @@ from fleetllm.api.deployment import GROUP, KIND, PLURAL, VERSION
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.errors import ApiError
 from fleetllm.kube.login import LoginError, load_credentials
-from fleetllm.operator.adapters import AdapterLoader, reported
+from fleetllm.operator.adapter_loader import AdapterLoader, reported
 from fleetllm.operator.reconciler import CHILD_RESOURCES, Reconciler
 from fleetllm.operator.retry import Backoff, Sleep, reconcile_until_done
 from fleetllm.operator.scaler import Scaler, driven_by_builtin

@@ -35,7 +35,7 @@ from fleetllm.api.manifests import format_validation_error
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.resources import ENDPOINTSLICES, SERVICES, Resource
 from fleetllm.kube.watch import Backoff, Resync
-from fleetllm.router.adapters import AdapterRoute, adapters_of, parse_static_adapters
+from fleetllm.router.lora import AdapterRoute, adapters_of, parse_static_adapters
 from fleetllm.textfile import read_text
 
 log = logging.getLogger("fleetllm.router")

@@ -18,10 +18,9 @@ from typing import Any
 
 import aiohttp
 
-from fleetllm.adapters import AdapterError, list_adapters
 from fleetllm.api.contract import engine_key
 from fleetllm.httpread import TooLarge, read_bounded
-from fleetllm.router.adapters import AdapterLoads, AdapterRoute
+from fleetllm.lora_api import AdapterError, list_adapters
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import (
     Discovery,
@@ -32,6 +31,7 @@ from fleetllm.router.discovery import (
 )
 from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldQueue
+from fleetllm.router.lora import AdapterLoads, AdapterRoute
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.replicas import Replica
 from fleetllm.router.scopes import (

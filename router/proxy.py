@@ -28,13 +28,13 @@ from aiohttp import web
 from fleetllm.errors import error_json
 from fleetllm.httpread import TooLarge, read_bounded
 from fleetllm.router.access import Access
-from fleetllm.router.adapters import AdapterRoute
 from fleetllm.router.auth import ApiKey, tenant_of
 from fleetllm.router.body import read_body
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldRejected
 from fleetllm.router.inflight import InFlight
+from fleetllm.router.lora import AdapterRoute
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.outcomes import Verdict, classify
 from fleetllm.router.pool import Lease, ModelPool, ReplicaPool

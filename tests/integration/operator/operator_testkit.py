@@ -19,7 +19,7 @@ from fleetllm.api.status import AdapterRecord, ReconciledStatus, ScaleRecord, fi
 from fleetllm.engine.engine import EngineStats
 from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.kube.client import DEFAULT_FIELD_MANAGER
-from fleetllm.operator import adapters, scaler
+from fleetllm.operator import adapter_loader, scaler
 from fleetllm.operator.scaler import POD_DELETION_COST
 
 MODEL = "smollm2-135m"
@@ -46,7 +46,7 @@ def smollm2_cr(replicas: int) -> dict[str, Any]:
 STATUS_WRITERS = {
     **dict.fromkeys(field_names(ReconciledStatus), DEFAULT_FIELD_MANAGER),
     **dict.fromkeys(field_names(ScaleRecord), scaler.FIELD_MANAGER),
-    **dict.fromkeys(field_names(AdapterRecord), adapters.FIELD_MANAGER),
+    **dict.fromkeys(field_names(AdapterRecord), adapter_loader.FIELD_MANAGER),
 }
 """Each LLMDeployment status field -> the field manager of its one writer: the reconciler
 (the client's default manager), the builtin autoscaler or the adapter loader."""

@@ -17,7 +17,7 @@ import pytest
 from kubeapi import CR_RESOURCE, NAMESPACE, EmulatedApiServer
 from operator_testkit import DEPLOYMENTS, Controllers, Load, smollm2_cr
 
-from fleetllm.operator.adapters import FIELD_MANAGER
+from fleetllm.operator.adapter_loader import FIELD_MANAGER
 from fleetllm.planner.placement import MODEL_CACHE_MOUNT
 from fleetllm.planner.settings import ModelCache, OperatorConfig
 

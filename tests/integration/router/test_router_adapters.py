@@ -17,9 +17,9 @@ import pytest
 from aiohttp import web
 from router_testkit import async_wait_until, serve_router, serve_upstream
 
-from fleetllm.router.adapters import AdapterRoute
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import ModelRoute, ReplicaRef, StaticDiscovery
+from fleetllm.router.lora import AdapterRoute
 from fleetllm.router.server import Router
 
 pytestmark = pytest.mark.asyncio

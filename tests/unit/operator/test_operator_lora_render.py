@@ -16,7 +16,7 @@ from fleetllm.api.contract import selector_labels
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.api.lora import AdapterSpec
 from fleetllm.operator.render import render
-from fleetllm.operator.render_adapters import LABEL_ADAPTER, pull_job_name, render_pull_job
+from fleetllm.operator.render_lora import LABEL_ADAPTER, pull_job_name, render_pull_job
 from fleetllm.planner.lora import RUNTIME_LORA_ENV
 from fleetllm.planner.placement import IN_CLUSTER, MODEL_CACHE_MOUNT
 from fleetllm.planner.plan import plan

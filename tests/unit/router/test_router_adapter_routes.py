@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from fleetllm.router.adapters import AdapterRoute, adapters_of, parse_static_adapters
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import ModelRoute, ReplicaRef, parse_static_fleet
 from fleetllm.router.errors import RouterError
+from fleetllm.router.lora import AdapterRoute, adapters_of, parse_static_adapters
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.pool import ReplicaPool
 from fleetllm.router.scopes import EVERYTHING, Scope

@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from fleetllm.adapters import AdapterError, load_adapter
+from fleetllm.lora_api import AdapterError, load_adapter
 from fleetllm.router.errors import RouterError
 
 MAX_LOADS = 4

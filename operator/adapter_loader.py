@@ -6,7 +6,7 @@ A kopf timer (handlers.py) calls `AdapterLoader.step` for every LLMDeployment wi
 
 1. places each adapter where every replica reads it (`ClusterPlacement.adapter_path`): the
    shared model cache for hf:// and s3:// ones, pulled there once by a Job of the engine pods'
-   own model-pull container (render_adapters.py); the model's claim or the cache claim for
+   own model-pull container (render_lora.py); the model's claim or the cache claim for
    pvc:// ones. One that cannot be placed is Failed with the reason;
 2. lists each ready replica's adapters (`/v1/models`, with the LLMDeployment's engine key),
    loads what it lacks and unloads what spec.adapters no longer lists, through vLLM's load
@@ -32,7 +32,6 @@ from typing import Any
 
 import aiohttp
 
-from fleetllm.adapters import AdapterError, list_adapters, load_adapter, short, unload_adapter
 from fleetllm.api.contract import ENGINE_KEY_FIELD, engine_key, engine_key_secret, selector_string
 from fleetllm.api.deployment import LLMDEPLOYMENTS, LLMDeployment
 from fleetllm.api.lora import AdapterSpec
@@ -42,7 +41,8 @@ from fleetllm.api.status import AdapterStatus
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.errors import ApiError
 from fleetllm.kube.resources import JOBS, PODS, SECRETS
-from fleetllm.operator.render_adapters import (
+from fleetllm.lora_api import AdapterError, list_adapters, load_adapter, short, unload_adapter
+from fleetllm.operator.render_lora import (
     COMPONENT,
     LABEL_ADAPTER,
     pull_job_name,

@@ -3,7 +3,8 @@ fleet. Both backends speak vLLM's:
 
 - `GET /v1/models` lists the model and every adapter loaded, each adapter with its `parent`;
 - `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` loads one (400 when it is already
-  loaded under that name; 4xx, or vLLM's 500, when it cannot be: the message says why);
+  loaded under that name; 4xx, or vLLM's 500, when it cannot be: the message says why; a
+  replica without LoRA serves no such route, and its 404 says nothing of the adapter);
 - `POST /v1/unload_lora_adapter {"lora_name"}` unloads one (404 when it is not loaded).
 
 Answers are read bounded in size, and what an engine says is kept short and printable before
@@ -32,20 +33,31 @@ class AdapterError(Exception):
     """A load, unload or listing that did not happen. `status` is the engine's HTTP status
     (None when it did not answer); `transient` errors say nothing of the adapter itself."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, *, about_replica: bool = False):
         super().__init__(message)
         self.message = message
         self.status = status
+        self._about_replica = about_replica
 
     @property
     def transient(self) -> bool:
-        return self.status is None or self.status in TRANSIENT_STATUSES
+        return self._about_replica or self.status is None or self.status in TRANSIENT_STATUSES
 
 
 def short(text: str) -> str:
     """`text` as it may go into a status, a log or an answer: printable, bounded."""
     clean = "".join(c if c.isprintable() else " " for c in text).strip()
     return clean if len(clean) <= MESSAGE_MAX_CHARS else clean[: MESSAGE_MAX_CHARS - 3] + "..."
+
+
+def _no_route(status: int, body: bytes) -> bool:
+    """A 404 that is no engine's error but the web framework's: the route is not served (LoRA
+    off, or runtime loading not allowed), which says nothing of the adapter. (A folder that is
+    not there is vLLM's 404 too, in its error envelope.)"""
+    try:
+        return status == 404 and json.loads(body) == {"detail": "Not Found"}
+    except (ValueError, UnicodeDecodeError):
+        return False
 
 
 def _message(body: bytes, status: int) -> str:
@@ -134,6 +146,10 @@ async def load_adapter(
     status, body = await _post(session, url + "/v1/load_lora_adapter", payload, headers, timeout)
     if status == 200:
         return
+    if _no_route(status, body):
+        raise AdapterError(
+            "the replica serves no adapter load API (LoRA is off there)", 404, about_replica=True
+        )
     error = AdapterError(_message(body, status), status)
     if status == 400:
         # Loaded already (by another of its loaders, or before a lost answer): done, if the

@@ -64,7 +64,7 @@ def _upstream(up: Up, outcome: str) -> float:
         s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == "fleetllm:router_upstream_requests_total" and s.labels["outcome"] == outcome
+        if s.name == "fleetllm:router_upstream_requests_total" and s.labels["code"] == outcome
     )
 
 

@@ -48,9 +48,7 @@ def _upstream(up: Up, outcome: str) -> dict[str, float]:
     text = httpx.get(f"http://127.0.0.1:{up.port}/metrics", timeout=10.0).text
     urls = {e["url"] for e in up.events("replica starting")}
     return {
-        url: metric_sum(
-            text, "fleetllm:router_upstream_requests_total", replica=url, outcome=outcome
-        )
+        url: metric_sum(text, "fleetllm:router_upstream_requests_total", replica=url, code=outcome)
         for url in urls
     }
 

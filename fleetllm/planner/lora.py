@@ -16,8 +16,10 @@ The adapters kept loaded beyond the slots (`maxCpuLoras`) are in host memory: on
 that is the replica's own memory, so they count there too (at the highest rank, the most each
 may take); on a GPU they are outside the device budget.
 
-The builtin engine allocates its slots by its own formula (`fleetllm.engine.sizing`, once the
-engine has LoRA); this one is the planner's until then, and for vLLM.
+This is vLLM's layout. The builtin engine allocates its slots by its own formula, which this
+module is to call for that backend once the engine has LoRA (`fleetllm.engine.sizing`, its
+`lora_bytes_per_rank`: it keeps B block-diagonal over the fused qkv and gate/up projections,
+so those B take 3x and 2x what they take here); until then both backends are counted so.
 """
 
 from __future__ import annotations

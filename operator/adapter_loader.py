@@ -42,6 +42,7 @@ from fleetllm.kube.client import KubeClient
 from fleetllm.kube.errors import ApiError
 from fleetllm.kube.resources import JOBS, PODS, SECRETS
 from fleetllm.lora_api import AdapterError, list_adapters, load_adapter, short, unload_adapter
+from fleetllm.operator.engine_http import EngineHttp
 from fleetllm.operator.render_lora import (
     COMPONENT,
     LABEL_ADAPTER,
@@ -111,6 +112,7 @@ class AdapterLoader:
         engine_key_root: str = "",
         timeout: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
+        http: EngineHttp | None = None,
     ) -> None:
         self.client = client
         self.config = config
@@ -118,18 +120,14 @@ class AdapterLoader:
         self._emit = emit
         self._timeout = timeout
         self._clock = clock
-        self._session: aiohttp.ClientSession | None = None
+        self._engines = http or EngineHttp()
         self._refused: dict[tuple[str, str, str, str], _Refusal] = {}
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._engines.close()
 
     def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
-        return self._session
+        return self._engines.session()
 
     async def step(self, body: Mapping[str, Any]) -> list[AdapterStatus] | None:
         """One pass over one LLMDeployment; its adapters' states (None when it has no LoRA,

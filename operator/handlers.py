@@ -41,6 +41,7 @@ from fleetllm.kube.client import KubeClient
 from fleetllm.kube.errors import ApiError
 from fleetllm.kube.login import LoginError, load_credentials
 from fleetllm.operator.adapter_loader import AdapterLoader, reported
+from fleetllm.operator.engine_http import EngineHttp
 from fleetllm.operator.reconciler import CHILD_RESOURCES, Reconciler
 from fleetllm.operator.retry import Backoff, Sleep, reconcile_until_done
 from fleetllm.operator.scaler import Scaler, driven_by_builtin
@@ -96,14 +97,19 @@ class OperatorState:
                 # An Event is a courtesy; losing one must not fail the reconcile.
                 logger.warning("could not post an Event", extra={"error": str(exc)})
 
+        engines = EngineHttp()
         return cls(
             client=client,
             reconciler=Reconciler(
                 client, emit=post_event, config=config, engine_key_root=engine_key_root
             ),
-            scaler=Scaler(client, emit=post_event),
+            scaler=Scaler(client, emit=post_event, http=engines),
             adapters=AdapterLoader(
-                client, emit=post_event, config=config, engine_key_root=engine_key_root
+                client,
+                emit=post_event,
+                config=config,
+                engine_key_root=engine_key_root,
+                http=engines,
             ),
             conflict_recheck_seconds=conflict_recheck_seconds,
         )

@@ -10,7 +10,7 @@ from typing import Any
 
 from fleetllm.api.contract import engine_key, engine_key_secret
 from fleetllm.api.deployment import LLMDeployment
-from fleetllm.operator.render import _metadata, render_deployment
+from fleetllm.operator.render import child_metadata, render_deployment
 from fleetllm.operator.render_access import render_key_secret
 from fleetllm.planner.plan import Plan
 from fleetllm.planner.settings import OperatorConfig
@@ -33,4 +33,4 @@ def new_key_secret(cr: LLMDeployment, root: str = "") -> dict[str, Any]:
         key = engine_key(root, meta.namespace, meta.name, meta.uid)
     else:
         key = secrets.token_urlsafe(32)
-    return render_key_secret(_metadata(cr, engine_key_secret(meta.name)), key)
+    return render_key_secret(child_metadata(cr, engine_key_secret(meta.name)), key)

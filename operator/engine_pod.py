@@ -54,18 +54,25 @@ def apply_cluster_settings(
         "maxUnavailable": settings.rollout.max_unavailable,
     }
     pod = spec["template"]["spec"]
-    if config.image_pull_secrets:
-        pod["imagePullSecrets"] = [{"name": name} for name in config.image_pull_secrets]
     if settings.runtime_class_name:
         pod["runtimeClassName"] = settings.runtime_class_name
     for volume in pod["volumes"]:
         if volume["name"] == "dshm":
             volume["emptyDir"]["sizeLimit"] = settings.shm_size
-    pod["volumes"] += [copy.deepcopy(volume) for volume in settings.extra_volumes]
     _tune_probes(pod["containers"][0], config)
-    # The model pull gets the extras too: a proxy or a CA bundle matters most to the download.
+    add_cluster_extras(pod, config)
+    return out
+
+
+def add_cluster_extras(pod: dict[str, Any], config: OperatorConfig) -> None:
+    """What every pod the operator makes gets from the cluster's settings: the image pull
+    secrets, and the admin's extra env, volumes and mounts in each container (the model pull
+    too: a proxy or a CA bundle matters most to a download)."""
+    settings = config.pod
+    if config.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in config.image_pull_secrets]
+    pod["volumes"] += [copy.deepcopy(volume) for volume in settings.extra_volumes]
     for container in [*pod.get("initContainers", []), *pod["containers"]]:
         if settings.extra_env:
             container["env"] = _with_extra_env(container.get("env", []), settings.extra_env)
         container["volumeMounts"] += [copy.deepcopy(m) for m in settings.extra_volume_mounts]
-    return out

@@ -8,9 +8,11 @@ All decisions live in the reconciler; handlers here only say *when* to reconcile
 - every `resync_interval` seconds, whatever happened (a missed event, an unwatched child
   such as the NetworkPolicy or the key Secret changed, an outage that outlived a watch).
 Every path retries transient API failures without limit, with a capped backoff (retry.py).
-The one kopf timer steps the autoscaler (scaler.py) of each LLMDeployment the builtin
+One kopf timer steps the autoscaler (scaler.py) of each LLMDeployment the builtin
 autoscaler drives, every `autoscale_interval` seconds, on the peering leader only; after each
 reconcile of one it does not drive, the autoscaler stands down (its status fields go).
+Another steps the adapter loader (adapter_loader.py) of each LLMDeployment with spec.lora, every
+`adapter_interval` seconds, also on the leader only.
 kopf puts its finalizer on those LLMDeployments (and only on those), so that the timer stops
 before the object goes; nothing else needs cleanup beyond the garbage collection that
 ownerReferences give.
@@ -38,6 +40,8 @@ from fleetllm.api.deployment import GROUP, KIND, PLURAL, VERSION
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.errors import ApiError
 from fleetllm.kube.login import LoginError, load_credentials
+from fleetllm.operator.adapter_loader import AdapterLoader, reported
+from fleetllm.operator.engine_http import EngineHttp
 from fleetllm.operator.reconciler import CHILD_RESOURCES, Reconciler
 from fleetllm.operator.retry import Backoff, Sleep, reconcile_until_done
 from fleetllm.operator.scaler import Scaler, driven_by_builtin
@@ -51,6 +55,7 @@ MAX_BACKOFF_SECONDS = 60.0
 RESYNC_SECONDS = 300.0
 CONFLICT_RECHECK_SECONDS = 30.0
 AUTOSCALE_INTERVAL_SECONDS = 5.0
+ADAPTER_INTERVAL_SECONDS = 10.0
 COMPONENT = "fleetllm-operator"
 CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER}"
 
@@ -63,6 +68,7 @@ class OperatorState:
     client: KubeClient
     reconciler: Reconciler
     scaler: Scaler
+    adapters: AdapterLoader
     conflict_recheck_seconds: float = CONFLICT_RECHECK_SECONDS
     backoff: Backoff = field(default_factory=lambda: Backoff(max_seconds=MAX_BACKOFF_SECONDS))
     sleep: Sleep = asyncio.sleep
@@ -91,12 +97,20 @@ class OperatorState:
                 # An Event is a courtesy; losing one must not fail the reconcile.
                 logger.warning("could not post an Event", extra={"error": str(exc)})
 
+        engines = EngineHttp()
         return cls(
             client=client,
             reconciler=Reconciler(
                 client, emit=post_event, config=config, engine_key_root=engine_key_root
             ),
-            scaler=Scaler(client, emit=post_event),
+            scaler=Scaler(client, emit=post_event, http=engines),
+            adapters=AdapterLoader(
+                client,
+                emit=post_event,
+                config=config,
+                engine_key_root=engine_key_root,
+                http=engines,
+            ),
             conflict_recheck_seconds=conflict_recheck_seconds,
         )
 
@@ -131,9 +145,15 @@ def _builtin_scaling(body: Mapping[str, Any], **_: Any) -> bool:
     return driven_by_builtin(body) is not None
 
 
+def _has_adapters(body: Mapping[str, Any], **_: Any) -> bool:
+    """Whether the adapter loader has work there (the timer's filter)."""
+    return reported(body)
+
+
 def build_registry(
     autoscale_interval: float = AUTOSCALE_INTERVAL_SECONDS,
     resync_interval: float = RESYNC_SECONDS,
+    adapter_interval: float = ADAPTER_INTERVAL_SECONDS,
 ) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
@@ -154,6 +174,7 @@ def build_registry(
             task.cancel()
         await asyncio.gather(*memo.tasks, return_exceptions=True)
         await memo.scaler.close()
+        await memo.adapters.close()
         await memo.client.close()
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, retries=HANDLER_RETRIES)
@@ -190,6 +211,35 @@ def build_registry(
                     "error": str(exc),
                 },
             )
+
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        registry=registry,
+        id="adapters",
+        interval=adapter_interval,
+        when=_has_adapters,
+    )
+    async def load_adapters(body: kopf.Body, memo: OperatorState, **_: Any) -> None:
+        if memo.stopping.is_set():
+            return
+        try:
+            await memo.adapters.step(dict(body))
+        except (TimeoutError, ApiError, LoginError, aiohttp.ClientError) as exc:
+            if memo.stopping.is_set():
+                return
+            # The next tick looks again from what is there then.
+            meta = body.get("metadata") or {}
+            logger.warning(
+                "adapter step failed",
+                extra={
+                    "llmdeployment": f"{meta.get('namespace')}/{meta.get('name')}",
+                    "error": str(exc),
+                },
+            )
+
+    _without_finalizer(registry, "adapters")
 
     @kopf.timer(
         GROUP,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleetllm.api.deployment import LLMDeployment
+from fleetllm.planner.lora import lora_env
 
 RUN_AS = 1000
 # The name of RUN_AS in the project's own images (docker/*.Dockerfile).
@@ -52,4 +53,7 @@ def engine_env(cr: LLMDeployment) -> list[dict[str, Any]]:
             {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
             {"name": "DO_NOT_TRACK", "value": "1"},
         ]
+    # The load API that adapters reach the replicas through (spec.lora, not spec.adapters:
+    # adding an adapter changes nothing here).
+    env += [{"name": name, "value": value} for name, value in lora_env(cr.spec.lora).items()]
     return with_user_env(env, cr)

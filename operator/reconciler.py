@@ -23,7 +23,7 @@ from typing import Any
 from fleetllm.api.contract import ANNOTATION_APPLIED, child_names
 from fleetllm.api.deployment import API_VERSION, KIND, LLMDEPLOYMENTS, LLMDeployment
 from fleetllm.api.manifests import parse_llmdeployment
-from fleetllm.api.status import SCALE_RECORD_FIELDS
+from fleetllm.api.status import ADAPTER_RECORD_FIELDS, SCALE_RECORD_FIELDS
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.errors import ApiError
 from fleetllm.kube.resources import (
@@ -76,6 +76,9 @@ RESOURCES: dict[str, Resource] = {
 }
 # Read only: whether the replicas can share a model's claim.
 READ_RESOURCES: dict[str, Resource] = {"PersistentVolumeClaim": PERSISTENTVOLUMECLAIMS}
+
+OTHER_WRITERS_FIELDS = SCALE_RECORD_FIELDS | ADAPTER_RECORD_FIELDS
+"""Status keys the reconciler neither writes nor removes."""
 
 # (body of the LLMDeployment, event type, reason, message)
 EventSink = Callable[[dict[str, Any], str, str, str], Awaitable[None]]
@@ -253,8 +256,9 @@ class Reconciler:
             self.conflicted.discard((namespace, name))
 
         old_status = body.get("status") or {}
-        # The ScaleRecord is the autoscaler's: compared, written and removed by it alone.
-        owned = {k: v for k, v in old_status.items() if k not in SCALE_RECORD_FIELDS}
+        # The ScaleRecord is the autoscaler's, the AdapterRecord the adapter loader's: each
+        # compared, written and removed by its writer alone.
+        owned = {k: v for k, v in old_status.items() if k not in OTHER_WRITERS_FIELDS}
         status, transitions = build_status(
             cr,
             name,

@@ -49,7 +49,7 @@ EXIT_SECONDS = 15
 DRAIN_HOOK_SOURCE = Path(drain_hook.__file__).read_text(encoding="utf-8")
 
 
-def _metadata(cr: LLMDeployment, name: str) -> dict[str, Any]:
+def child_metadata(cr: LLMDeployment, name: str) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "labels": child_labels(cr)}
     if cr.metadata.namespace:
         meta["namespace"] = cr.metadata.namespace
@@ -87,7 +87,7 @@ def render_configmap(cr: LLMDeployment, plan: Plan) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(cr, child_names(cr.metadata.name)["ConfigMap"]),
+        "metadata": child_metadata(cr, child_names(cr.metadata.name)["ConfigMap"]),
         "data": {"engine.json": _engine_config(cr, plan)},
     }
 
@@ -97,7 +97,7 @@ def render_service(cr: LLMDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(cr, child_names(cr.metadata.name)["Service"]),
+        "metadata": child_metadata(cr, child_names(cr.metadata.name)["Service"]),
         "spec": {
             "clusterIP": "None",
             "selector": selector_labels(cr.metadata.name),
@@ -124,7 +124,7 @@ def render_pdb(cr: LLMDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(cr, child_names(cr.metadata.name)["PodDisruptionBudget"]),
+        "metadata": child_metadata(cr, child_names(cr.metadata.name)["PodDisruptionBudget"]),
         "spec": {
             "maxUnavailable": 1,
             "selector": {"matchLabels": selector_labels(cr.metadata.name)},
@@ -209,7 +209,10 @@ def _volumes(
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
     ]
-    if plan.fills_cache:
+    # A shared model cache is where hf:// and s3:// adapters are pulled to while the replicas
+    # run: mounted in every replica that serves LoRA, whatever its model needs.
+    adapters_in_cache = cr.spec.lora is not None and config.model_cache is not None
+    if plan.fills_cache or adapters_in_cache:
         if config.model_cache is None:
             volumes.append(
                 {"name": "models", "emptyDir": {"sizeLimit": _gib_quantity(scratch["models"])}}
@@ -235,6 +238,13 @@ def _volumes(
     return volumes, mounts
 
 
+POD_SECURITY = {
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS,
+    "runAsGroup": RUN_AS,
+    "fsGroup": RUN_AS,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 _CONTAINER_SECURITY = {
     "allowPrivilegeEscalation": False,
     "readOnlyRootFilesystem": True,
@@ -243,17 +253,18 @@ _CONTAINER_SECURITY = {
 }
 
 
-def _pull_container(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[str, Any]:
-    """The init container that fills the model cache (once, when the cache is a shared
-    volume that already holds the model). A built-in model for vLLM is converted by fleetllm's
-    engine image, the one that ships the model's GGUF file and the converter."""
+def pull_container(
+    cr: LLMDeployment, config: OperatorConfig, *, image: str, source: str, dest: str
+) -> dict[str, Any]:
+    """The container that pulls `source` into the folder `dest` of the model cache (a no-op
+    when the cache is a shared volume that already holds it): the engine pods' init container,
+    and the pull Job of each hf:// and s3:// LoRA adapter."""
     read_only = config.model_cache is not None and config.model_cache.read_only
-    builtin = plan.source.scheme == "builtin"
     return {
         "name": "model-pull",
-        "image": config.images.engine if builtin else config.images.model_pull,
+        "image": image,
         "command": ["fleetllm", "model", "pull"],
-        "args": [cr.spec.model.source, plan.model_path, *(["--read-only"] if read_only else [])],
+        "args": [source, dest, *(["--read-only"] if read_only else [])],
         # Credentials (HF_TOKEN, AWS_*) come from the same variables the engine gets, and only
         # those the policy names: never an endpoint override that would fill a shared cache.
         "env": base_env() + pull_env(with_user_env([], cr), config.policy),
@@ -345,20 +356,22 @@ def _pod_spec(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[str
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(plan),
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS,
-            "runAsGroup": RUN_AS,
-            "fsGroup": RUN_AS,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": copy.deepcopy(POD_SECURITY),
         "nodeSelector": node_selector,
         "affinity": affinity,
         "containers": [container],
         "volumes": volumes,
     }
     if plan.fills_cache:
-        pod_spec["initContainers"] = [_pull_container(cr, plan, config)]
+        # A built-in model for vLLM is converted by fleetllm's engine image, the one that
+        # ships the model's GGUF file and the converter.
+        builtin = plan.source.scheme == "builtin"
+        image = config.images.engine if builtin else config.images.model_pull
+        pod_spec["initContainers"] = [
+            pull_container(
+                cr, config, image=image, source=cr.spec.model.source, dest=plan.model_path
+            )
+        ]
     if tolerations:
         pod_spec["tolerations"] = tolerations
     if pod.priority_class_name:
@@ -381,7 +394,7 @@ def render_deployment(
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(cr, child_names(name)["Deployment"]),
+        "metadata": child_metadata(cr, child_names(name)["Deployment"]),
         "spec": {
             "replicas": cr.spec.desired_replicas(),
             "selector": {"matchLabels": selector_labels(name)},
@@ -419,7 +432,7 @@ def render_hpa(cr: LLMDeployment, scaling: ScalingSpec) -> dict[str, Any]:
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": _metadata(cr, cr.metadata.name),
+        "metadata": child_metadata(cr, cr.metadata.name),
         "spec": {
             "scaleTargetRef": _scale_target(cr),
             "minReplicas": scaling.min_replicas,
@@ -512,7 +525,7 @@ def render_scaledobject(cr: LLMDeployment, scaling: ScalingSpec) -> dict[str, An
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
-        "metadata": _metadata(cr, cr.metadata.name),
+        "metadata": child_metadata(cr, cr.metadata.name),
         "spec": spec,
     }
 
@@ -542,7 +555,7 @@ def render(
         render_service(cr),
         render_deployment(cr, plan, config),
         render_pdb(cr),
-        render_networkpolicy(cr, config, _metadata(cr, networkpolicy_name(cr))),
+        render_networkpolicy(cr, config, child_metadata(cr, networkpolicy_name(cr))),
     ]
     autoscaler = render_autoscaler(cr)
     if autoscaler is not None:

@@ -33,8 +33,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from fleetllm.api.contract import ENGINE_PORT, PORT_NAME, selector_string
 from fleetllm.api.deployment import LLMDEPLOYMENTS, LLMDeployment
 from fleetllm.api.manifests import parse_llmdeployment
@@ -45,6 +43,7 @@ from fleetllm.autoscale.step import Decision, Observation
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.errors import ApiError
 from fleetllm.kube.resources import PODS
+from fleetllm.operator.engine_http import EngineHttp
 from fleetllm.scrape import scrape_all
 
 logger = logging.getLogger("fleetllm.operator")
@@ -133,6 +132,7 @@ class Scaler:
         scrape_timeout: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], str] = utcnow,
+        http: EngineHttp | None = None,
     ) -> None:
         self.client = client
         self._emit = emit
@@ -141,14 +141,12 @@ class Scaler:
         self._clock = clock
         self._wall_clock = wall_clock
         self._tracked: dict[tuple[str, str], _Tracked] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._http = http or EngineHttp()
         self.decisions: list[tuple[str, str, Decision]] = []
         """(namespace, name, decision) of every change written, for tests and logs."""
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._http.close()
 
     def forget(self, namespace: str, name: str) -> None:
         self._tracked.pop((namespace, name), None)
@@ -182,7 +180,7 @@ class Scaler:
 
         listing = await self.client.list(PODS, namespace, label_selector=selector_string(name))
         urls = ready_pods(listing.items)
-        scraped = await scrape_all(self._http(), urls.values(), self._scrape_timeout)
+        scraped = await scrape_all(self._http.session(), urls.values(), self._scrape_timeout)
         samples = {pod: scraped.get(url) for pod, url in urls.items()}
         plan = (body.get("status") or {}).get("plan") or {}
         capacity = plan.get("maxNumSeqs")
@@ -223,11 +221,6 @@ class Scaler:
         tracked.replicas = decision.replicas
         await self._record(body, namespace, name, decision)
         return decision
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
-        return self._session
 
     async def _set_deletion_costs(
         self,

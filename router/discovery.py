@@ -42,6 +42,7 @@ from fleetllm.api.manifests import format_validation_error
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.resources import ENDPOINTSLICES, SERVICES, Resource
 from fleetllm.kube.watch import Backoff, Resync
+from fleetllm.router.lora import AdapterRoute, adapters_of, parse_static_adapters
 from fleetllm.textfile import read_text
 
 log = logging.getLogger("fleetllm.router")
@@ -88,6 +89,8 @@ class ModelRoute:
     tokenizer: str | None = None
     """A directory with the model's tokenizer files, where the router can read one (the
     kv-aware strategy tokenizes prompts as the engines do)."""
+    adapters: tuple[AdapterRoute, ...] = ()
+    """Its LoRA adapters, each served under its own name."""
 
 
 Fleet = Mapping[str, ModelRoute]
@@ -142,7 +145,7 @@ def parse_kv_events_endpoint(doc: Any, where: str) -> KVEventsEndpoint:
 def parse_static_fleet(doc: Any, where: str = "fleet") -> dict[str, ModelRoute]:
     """`models: {NAME: [URL, ...]}` or `models: {NAME: {replicas: [URL | {url, draining,
     kvEvents: {endpoint, replayEndpoint}}], routing: {strategy, loadFactor, sessionHeader},
-    tokenizer: DIR}}`; an empty list is a model at zero."""
+    tokenizer: DIR, adapters: {ADAPTER: PATH}}}`; an empty list is a model at zero."""
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
@@ -157,16 +160,18 @@ def parse_static_fleet(doc: Any, where: str = "fleet") -> dict[str, ModelRoute]:
             raise ValueError(f"{where}: model names must be non-empty strings")
         routing = None
         tokenizer = None
+        adapters: tuple[AdapterRoute, ...] = ()
         if isinstance(entry, list) or entry is None:
             replicas_doc = entry or []
         elif isinstance(entry, dict):
-            unknown = set(entry) - {"replicas", "routing", "tokenizer"}
+            unknown = set(entry) - {"replicas", "routing", "tokenizer", "adapters"}
             if unknown:
                 raise ValueError(f"{at}: unknown fields {sorted(unknown)}")
             replicas_doc = entry.get("replicas") or []
             tokenizer = entry.get("tokenizer")
             if tokenizer is not None and (not isinstance(tokenizer, str) or not tokenizer):
                 raise ValueError(f"{at}.tokenizer: expected a directory")
+            adapters = parse_static_adapters(entry.get("adapters"), f"{at}.adapters")
             if entry.get("routing") is not None:
                 try:
                     routing = RoutingSpec.model_validate(entry["routing"])
@@ -193,7 +198,9 @@ def parse_static_fleet(doc: Any, where: str = "fleet") -> dict[str, ModelRoute]:
             else:
                 url, draining = normalize_url(item, item_at), False
             refs[url] = ReplicaRef(url, draining, kv_events=events)
-        fleet[name] = ModelRoute(name, tuple(refs.values()), routing, tokenizer=tokenizer)
+        fleet[name] = ModelRoute(
+            name, tuple(refs.values()), routing, tokenizer=tokenizer, adapters=adapters
+        )
     return fleet
 
 
@@ -285,6 +292,7 @@ class DeploymentInfo:
     routing: RoutingSpec
     replicas: int | None
     max_replicas: int | None = None
+    adapters: tuple[AdapterRoute, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -344,6 +352,7 @@ def parse_deployment(obj: Mapping[str, Any]) -> DeploymentInfo | None:
         routing=routing,
         replicas=replicas if isinstance(replicas, int) else None,
         max_replicas=max_replicas if isinstance(max_replicas, int) else None,
+        adapters=adapters_of(obj),
     )
 
 
@@ -454,6 +463,7 @@ def build_fleet(
                 d.max_replicas,
                 served_name=d.model,
                 aliases=() if qualified else (f"{d.namespace}/{d.model}",),
+                adapters=d.adapters,
             )
         else:
             merged = {r.url: r for r in route.replicas} | refs

@@ -84,7 +84,8 @@ def openapi_schema(admin: bool) -> dict[str, Any]:
                 "responses": {
                     "200": {
                         "description": "Every model of the fleet, those at zero replicas too, "
-                        "with the context length its replicas report.",
+                        "with the context length its replicas report, and their LoRA adapters "
+                        "(each with its model as `parent`).",
                         "content": {
                             "application/json": {
                                 "schema": {
@@ -106,6 +107,7 @@ def openapi_schema(admin: bool) -> dict[str, Any]:
                                                         "description": "The context length its "
                                                         "replicas serve; null until one said.",
                                                     },
+                                                    "parent": {"type": "string", "nullable": True},
                                                 },
                                             },
                                         },

@@ -20,6 +20,7 @@ import aiohttp
 import zmq.asyncio
 
 from fleetllm.httpread import TooLarge, read_bounded
+from fleetllm.lora_api import AdapterError, list_adapters
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import (
     Discovery,
@@ -33,6 +34,7 @@ from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldQueue
 from fleetllm.router.kv_feed import FeedSettings
 from fleetllm.router.kv_routing import KVRouting
+from fleetllm.router.lora import AdapterLoads, AdapterRoute
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.model_card import fetch_max_model_len
 from fleetllm.router.replicas import Replica
@@ -53,7 +55,7 @@ from fleetllm.router.strategies import (
     round_robin,
     stable_hash,
 )
-from fleetllm.router.upstream_auth import replica_headers
+from fleetllm.router.upstream_auth import auth_headers, replica_headers
 from fleetllm.scrape import EngineSample, MetricsTooLarge, ScrapeError, fetch_metrics
 
 log = logging.getLogger("fleetllm.router")
@@ -175,6 +177,12 @@ class ReplicaPool:
         self.models: dict[str, ModelPool] = {}
         self.aliases: dict[str, str] = {}
         """Other ids clients may use -> the model's id (see ModelRoute.aliases)."""
+        self.adapter_routes: dict[str, ModelRoute] = {}
+        """Each adapter as a client names it, resolved as models are (scopes, namespaces)."""
+        self.adapter_aliases: dict[str, str] = {}
+        self.adapter_of: dict[str, tuple[str, AdapterRoute]] = {}
+        """Adapter id -> (its model's id, the adapter)."""
+        self.loads = AdapterLoads()
         self.synced = False
         self._session: aiohttp.ClientSession | None = None
         self._zmq: zmq.asyncio.Context | None = None
@@ -210,16 +218,45 @@ class ReplicaPool:
 
     # -- the fleet ---------------------------------------------------------------------------
 
-    def resolve(self, requested: str, scope: Scope = EVERYTHING) -> ModelPool:
-        """The model a client's `model` names within its key's scope (see `scopes`); 404,
-        the same for a model out of scope as for one that does not exist, otherwise."""
+    def resolve(
+        self, requested: str, scope: Scope = EVERYTHING
+    ) -> tuple[ModelPool, AdapterRoute | None]:
+        """The model a client's `model` names within its key's scope (see `scopes`), and the
+        adapter when it names one of a model's adapters; 404, the same for a model out of
+        scope as for one that does not exist, otherwise. A model's name wins over an
+        adapter's."""
         routes = {name: model.route for name, model in self.models.items()}
         found = resolve(requested, routes, self.aliases, scope)
+        if found is None:
+            found = resolve(requested, self.adapter_routes, self.adapter_aliases, scope)
+            if isinstance(found, str):
+                model, adapter = self.adapter_of[found]
+                return self.models[model], adapter
         if isinstance(found, list):
             raise RouterError(404, ambiguous_message(requested, found), "model")
         if found is None:
             raise RouterError(404, missing_message(requested), "model")
-        return self.models[found]
+        return self.models[found], None
+
+    def _index_adapters(self, fleet: Fleet) -> None:
+        """Adapter ids as model ids are made (`build_fleet`): `NAMESPACE/ADAPTER` beside a
+        qualified model id, else the plain name with that as its alias."""
+        self.adapter_routes, self.adapter_aliases, self.adapter_of = {}, {}, {}
+        for model_id, route in fleet.items():
+            namespace = model_id.rpartition("/")[0] if "/" in model_id else None
+            for adapter in route.adapters:
+                adapter_id = f"{namespace}/{adapter.name}" if namespace else adapter.name
+                if adapter_id in self.adapter_of:
+                    continue  # two models of one namespace: the first by id keeps the name
+                aliases = ()
+                if namespace is None and route.owner is not None:
+                    aliases = (f"{route.owner[0]}/{adapter.name}",)
+                self.adapter_routes[adapter_id] = ModelRoute(
+                    adapter_id, owner=route.owner, served_name=adapter.name, aliases=aliases
+                )
+                self.adapter_aliases.update(dict.fromkeys(aliases, adapter_id))
+                self.adapter_of[adapter_id] = (model_id, adapter)
+            self.loads.forget(model_id, {a.name for a in route.adapters})
 
     def apply_fleet(self, fleet: Fleet) -> None:
         """Adopt what discovery reports: models and replicas come and go; a replica that
@@ -235,6 +272,7 @@ class ReplicaPool:
                 self.metrics.forget_model(name)
                 model.hold.notify()
         self.aliases = {alias: name for name, route in fleet.items() for alias in route.aliases}
+        self._index_adapters(fleet)
         for name, route in fleet.items():
             model = self.models.get(name)
             if model is None:
@@ -351,6 +389,8 @@ class ReplicaPool:
                 replica.record_scrape(healthy, sample)
                 if not healthy:
                     pooled.card_read = False  # it may come back with other settings
+                if healthy and model.route.adapters:
+                    await self._list_adapters(replica)
             except MetricsTooLarge as exc:
                 # A replica that answers /metrics with more than the cap misbehaves: it is
                 # backed off (longer at each scrape in a row) rather than trusted with traffic.
@@ -369,6 +409,45 @@ class ReplicaPool:
                 )
             await asyncio.sleep(self.settings.scrape_interval)
 
+    async def _list_adapters(self, replica: Replica) -> None:
+        """What the replica holds now (a restarted replica holds nothing); the last known
+        when it does not say."""
+        assert self._session is not None
+        try:
+            listed = await list_adapters(
+                self._session,
+                replica.url,
+                headers=auth_headers(self.settings, replica),
+                timeout=self.settings.scrape_timeout,
+            )
+        except AdapterError as exc:
+            log.debug("replica %s: no adapter listing: %s", replica.url, exc.message)
+            return
+        replica.adapters = frozenset(listed)
+
+    async def load_adapter(self, model: ModelPool, adapter: AdapterRoute) -> None:
+        """Load `adapter` on the least loaded available replica of `model` (or join the load
+        of it already running); RouterError when it cannot be served."""
+        refused = self.loads.refused(model.name, adapter)
+        if refused is not None:
+            raise refused
+        available = model.available(time.monotonic())
+        if not available:
+            return  # the caller holds the request until a replica is ready
+        target = least_load([r.candidate() for r in available], model.turn)[0]
+        replica = next(r for r in available if r.url == target.id)
+        assert self._session is not None
+        await self.loads.load(
+            self._session,
+            model.name,
+            adapter,
+            replica.url,
+            auth_headers(self.settings, replica),
+            self.settings.first_byte_timeout,
+        )
+        replica.adapters = replica.adapters | {adapter.name}
+        log.info("loaded adapter %s of %s on %s", adapter.name, model.name, replica.url)
+
     # -- choosing ----------------------------------------------------------------------------
 
     def order(
@@ -377,22 +456,29 @@ class ReplicaPool:
         payload: Mapping[str, Any],
         headers: Mapping[str, str],
         predicted: dict[str, int] | None = None,
+        adapter: AdapterRoute | None = None,
     ) -> list[Replica]:
-        """The available replicas, best first by the model's strategy. kv-aware fills
-        `predicted` with the prompt tokens each replica will find cached, where it knows."""
+        """The available replicas, best first by the model's strategy; for an adapter, those
+        that hold it. kv-aware fills `predicted` with the prompt tokens each replica will find
+        cached, where it knows."""
         available = model.available(time.monotonic())
-        if model.kv is not None and available:
+        if adapter is not None:
+            available = [r for r in available if adapter.name in r.adapters]
+        cached = None
+        # The engines never share KV across adapters: the base model's view says nothing of
+        # an adapter's cache.
+        if model.kv is not None and available and adapter is None:
             cached = model.kv.predict(payload, [r.url for r in available])
             if cached is not None and predicted is not None:
                 predicted.update(cached)
-        else:
-            cached = None
         if len(available) <= 1:
             return available
         candidates = [r.candidate() for r in available]
         strategy = model.strategy
         if strategy in ("prefix", "kv-aware"):
-            key = stable_hash(prefix_text(payload, self.settings.prefix_chars))
+            # Keyed by adapter too: the engines never share KV across adapters.
+            text = prefix_text(payload, self.settings.prefix_chars)
+            key = stable_hash(f"{adapter.name}\x00{text}" if adapter is not None else text)
             ordered = bounded_prefix(model.ring, key, candidates, model.load_factor)
             if cached is not None:
                 ordered = most_cached(ordered, cached, model.load_factor)

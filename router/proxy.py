@@ -36,6 +36,7 @@ from fleetllm.router.endpoints import BY_PATH, ENDPOINTS
 from fleetllm.router.errors import RouterError
 from fleetllm.router.holding import HoldRejected
 from fleetllm.router.inflight import InFlight
+from fleetllm.router.lora import AdapterRoute
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.outcomes import Verdict, classify
 from fleetllm.router.pool import Lease, ModelPool, ReplicaPool
@@ -86,6 +87,7 @@ class _Context:
     """One request on its way through the proxy."""
 
     __slots__ = (
+        "adapter",
         "arrival",
         "attempts",
         "body",
@@ -110,6 +112,8 @@ class _Context:
         self.arrival = arrival
         self.model = ""
         """The model's name once it is known to exist (metric labels never hold others)."""
+        self.adapter: AdapterRoute | None = None
+        """The LoRA adapter of the model the request names, if it names one."""
         self.body = b""
         self.payload: dict[str, Any] = {}
         self.key: ApiKey | None = None
@@ -226,9 +230,9 @@ class Proxy:
         name = payload.get("model")
         if not isinstance(name, str) or not name:
             raise RouterError(400, "`model` is required and must be a string.", "model")
-        model = self.pool.resolve(name, ctx.key.scope if ctx.key else EVERYTHING)
+        model, ctx.adapter = self.pool.resolve(name, ctx.key.scope if ctx.key else EVERYTHING)
         changes: dict[str, Any] = {}
-        served = model.route.served_name or model.name
+        served = ctx.adapter.name if ctx.adapter else model.route.served_name or model.name
         if served != name:
             # An alias, a namespace-qualified id or a plain name of one: the engines know the
             # served name (a static fleet's engines serve its ids as they are).
@@ -291,14 +295,29 @@ class Proxy:
         # The strategy orders the replicas once; failover walks that order, and only asks
         # again once it is used up (so round robin does not skip a turn per retry).
         plan: list[Replica] = []
+        loads = 0
         while True:
             now = time.monotonic()
             plan = [r for r in plan if r.url not in tried and r.available(now)]
             if plan:
                 replica = plan.pop(0)
-            elif ordered := self.pool.order(model, ctx.payload, ctx.request.headers, ctx.predicted):
+            elif ordered := self.pool.order(
+                model, ctx.payload, ctx.request.headers, ctx.predicted, ctx.adapter
+            ):
                 plan = [r for r in ordered if r.url not in tried] or ordered
                 replica = plan.pop(0)
+            elif ctx.adapter is not None and model.has_available():
+                # No replica holds the adapter: one loads it (at most twice per request, in
+                # case the one that loaded it goes before it takes this request).
+                if loads == 2:
+                    raise RouterError(
+                        503,
+                        f"No replica of `{model.name}` keeps the adapter `{ctx.adapter.name}`.",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+                    )
+                loads += 1
+                await self.pool.load_adapter(model, ctx.adapter)
+                continue
             else:
                 held_from = loop.time()
                 try:
@@ -365,6 +384,13 @@ class Proxy:
                         body = error_json(502, "The replica refused the router's key for it.")
                         return _Failure(502, body, "application/json")
                     content_type = upstream.headers.get("Content-Type", "application/json")
+                    if upstream.status == 404 and ctx.adapter is not None:
+                        # The replica lost the adapter (it restarted since it was listed):
+                        # another holder, or a new load, takes the request.
+                        replica = lease.replica
+                        replica.adapters = replica.adapters - {ctx.adapter.name}
+                        data = await read_bounded(upstream, settings.max_event_bytes)
+                        return _Failure(404, data, content_type)
                     if not content_type.startswith("text/event-stream"):
                         phase.reschedule(deadline)  # the answer has begun
                         data = await read_bounded(upstream, settings.max_answer_bytes)

@@ -11,6 +11,7 @@ class Replica:
     """One replica of one model, addressed by its base URL (also its id on the hash ring)."""
 
     __slots__ = (
+        "adapters",
         "down_until",
         "draining",
         "engine",
@@ -48,6 +49,8 @@ class Replica:
         self.max_model_len: int | None = None
         """Its context length, from its model card; None until read (again after it was
         down: it may have come back with other settings)."""
+        self.adapters: frozenset[str] = frozenset()
+        """The LoRA adapters it holds, as its /v1/models last listed them (and as loaded since)."""
 
     def available(self, now: float) -> bool:
         return not self.draining and self.healthy is not False and now >= self.down_until

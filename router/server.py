@@ -188,9 +188,17 @@ class Router:
     async def handle_models(self, request: web.Request) -> web.Response:
         key = self.access.authenticate(request.headers.get("Authorization"))
         scope = key.scope if key is not None else EVERYTHING
-        names = visible((m.route for m in self.pool.models.values()), scope)
-        pools = [self.pool.models[name] for name in names]
-        lengths = await asyncio.gather(*(self.pool.max_model_len(m) for m in pools))
+        models = visible((m.route for m in self.pool.models.values()), scope)
+        # Adapters as vLLM lists them: each a model of its own, with its model as `parent`
+        # (and its model's context length).
+        adapters = visible(self.pool.adapter_routes.values(), scope)
+        entries = [
+            *((name, None) for name in models),
+            *((name, self.pool.adapter_of[name][0]) for name in adapters),
+        ]
+        lengths = await asyncio.gather(
+            *(self.pool.max_model_len(self.pool.models[parent or name]) for name, parent in entries)
+        )
         data = [
             {
                 "id": name,
@@ -198,10 +206,10 @@ class Router:
                 "created": self.created,
                 "owned_by": "fleetllm",
                 "root": name,
-                "parent": None,
+                "parent": parent,
                 "max_model_len": length,
             }
-            for name, length in zip(names, lengths, strict=True)
+            for (name, parent), length in zip(entries, lengths, strict=True)
         ]
         return web.json_response({"object": "list", "data": data})
 

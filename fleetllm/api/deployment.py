@@ -13,8 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from fleetllm.api.base import SpecModel
+from fleetllm.api.base import MODEL_NAME_PATTERN, SpecModel
 from fleetllm.api.catalog import GPU_PROFILES, GPU_TYPES
+from fleetllm.api.lora import MAX_ADAPTERS, AdapterSpec, LoraSpec
 from fleetllm.api.quantity import QUANTITY_PATTERN, Quantity
 from fleetllm.api.rules import Rule, cel_validations, check, ordered
 from fleetllm.api.scaling import ScalingSpec
@@ -34,8 +35,6 @@ LLMDEPLOYMENTS = Resource(API_VERSION, PLURAL, KIND)
 # child suffix ("-engine") must still fit in 63 characters.
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 NAME_MAX_LENGTH = 56
-# The served model name becomes the `fleetllm.io/model` label value of every child.
-MODEL_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 
 
 class ModelConfig(SpecModel):
@@ -314,8 +313,46 @@ def _default(model: type[BaseModel]) -> Any:
     return Field(default_factory=model, json_schema_extra={"default": {}})
 
 
+def _duplicates(names: list[str]) -> list[str]:
+    return sorted({name for name in names if names.count(name) > 1})
+
+
+SPEC_RULES: tuple[Rule[LLMDeploymentSpec], ...] = (
+    Rule(
+        "adapters-need-lora",
+        "!has(self.adapters) || size(self.adapters) == 0 || has(self.lora)",
+        lambda s: not s.adapters or s.lora is not None,
+        "adapters need lora (the engines' adapter slots)",
+        detail=lambda s: (
+            "adapters need lora (the engines' adapter slots; `lora: {}` for the "
+            "defaults): set it once, since changing it restarts the replicas and adding adapters "
+            "does not"
+        ),
+    ),
+    Rule(
+        "adapter-not-model",
+        "!has(self.adapters) || self.adapters.all(a, a.name != self.model.name)",
+        lambda s: all(a.name != s.model.name for a in s.adapters),
+        "an adapter may not take the model's own name",
+        detail=lambda s: f"adapter {s.model.name} takes the model's own name",
+    ),
+    Rule(
+        "adapter-names-unique",
+        "!has(self.adapters) || "
+        "self.adapters.all(a, self.adapters.exists_one(b, b.name == a.name))",
+        lambda s: not _duplicates([a.name for a in s.adapters]),
+        "adapter names must be unique",
+        detail=lambda s: (
+            f"adapters name {', '.join(_duplicates([a.name for a in s.adapters]))} more than once"
+        ),
+    ),
+)
+
+
 class LLMDeploymentSpec(SpecModel):
     """One served model: what it is, what it runs on, and how many replicas."""
+
+    model_config = ConfigDict(json_schema_extra=cel_validations(SPEC_RULES))
 
     model: ModelSpec
     engine: EngineSpec = _default(EngineSpec)
@@ -339,6 +376,23 @@ class LLMDeploymentSpec(SpecModel):
     scaling: ScalingSpec | None = None
     routing: RoutingSpec = _default(RoutingSpec)
     pod: PodSpec = _default(PodSpec)
+    lora: LoraSpec | None = Field(
+        None,
+        description="LoRA in the engines (their adapter slots); needed by adapters. Changing it "
+        "restarts the replicas.",
+    )
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="LoRA adapters served on top of the model, each under its own name; added "
+        "and removed while the replicas run (each replica loads them through its load API), "
+        "never restarting them.",
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> LLMDeploymentSpec:
+        return check(self, SPEC_RULES)
 
     @property
     def autoscaled_by_builtin(self) -> bool:

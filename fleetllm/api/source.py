@@ -9,7 +9,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-SOURCE_PATTERN = r"^(hf://[^/@\s]+/[^/@\s]+(@[^@\s]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/\S*)?|s3://[^/\s]+(/\S*)?|builtin://[-a-z0-9.]+|file://\S+)$"
+_HF = r"hf://[^/@\s]+/[^/@\s]+"
+_PVC = r"pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/\S*)?"
+_S3 = r"s3://[^/\s]+(/\S*)?"
+_FILE = r"file://\S+"
+SOURCE_PATTERN = rf"^({_HF}(@[^@\s]+)?|{_PVC}|{_S3}|builtin://[-a-z0-9.]+|{_FILE})$"
+ADAPTER_SOURCE_PATTERN = rf"^({_HF}|{_PVC}|{_S3}|{_FILE})$"
+"""A LoRA adapter's source: no built-in adapters, and an hf:// revision in its own field."""
+REVISION_PATTERN = r"^[^@\s]+$"
 
 
 class ModelSource(BaseModel):

@@ -1,7 +1,8 @@
 """The LLMDeployment's status as the operator writes it: each field has one writer. The
 reconciler writes `ReconciledStatus` (what it observes and plans, conditions included); the
-builtin autoscaler writes `ScaleRecord` when it changes spec.replicas. The CRD's status is
-both, `LLMDeploymentStatus`."""
+builtin autoscaler writes `ScaleRecord` when it changes spec.replicas; the adapter loader
+writes `AdapterRecord` (each LoRA adapter's state). The CRD's status is all three,
+`LLMDeploymentStatus`."""
 
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ class PlanStatus(StatusModel):
     kv_cache_gib: float = Field(alias="kvCacheGiB", description="KV cache per device.")
     overhead_gib: float = Field(
         alias="overheadGiB", description="Activations and runtime per device."
+    )
+    lora_gib: float | None = Field(
+        None,
+        alias="loraGiB",
+        description="LoRA adapter slots per device (on a CPU, with the adapters kept loaded).",
     )
     kv_bytes_per_token: int = Field(description="KV bytes one token takes on one device.")
     max_concurrent_tokens: int = Field(description="KV capacity of a replica, in tokens.")
@@ -93,6 +99,35 @@ class ScaleRecord(StatusModel):
     )
 
 
+AdapterState = Literal["Pending", "Ready", "Failed"]
+
+
+class AdapterStatus(StatusModel):
+    """One adapter of spec.adapters as the replicas hold it."""
+
+    name: str
+    state: AdapterState = Field(
+        description="Ready: loaded on every ready replica; Failed: its files cannot be had or "
+        "a replica refused it (message says why); Pending: on its way."
+    )
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
+    message: str = Field("", max_length=32768)
+    path: str | None = Field(
+        None, description="Where the replicas read its files, once they are in place."
+    )
+    loaded_replicas: int = Field(0, description="Ready replicas that hold it.")
+
+
+class AdapterRecord(StatusModel):
+    """The status fields the operator's adapter loader writes, and nothing else does."""
+
+    adapters: list[AdapterStatus] | None = Field(
+        None,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="Each adapter of spec.adapters: whether the replicas serve it, or why not.",
+    )
+
+
 def field_names(model: type[StatusModel]) -> frozenset[str]:
     """The status keys (camelCase, as the API stores them) of a part of the status."""
     return frozenset(info.alias or name for name, info in model.model_fields.items())
@@ -100,7 +135,9 @@ def field_names(model: type[StatusModel]) -> frozenset[str]:
 
 SCALE_RECORD_FIELDS = field_names(ScaleRecord)
 """The status keys the builtin autoscaler writes."""
+ADAPTER_RECORD_FIELDS = field_names(AdapterRecord)
+"""The status keys the adapter loader writes."""
 
 
-class LLMDeploymentStatus(ScaleRecord, ReconciledStatus):
+class LLMDeploymentStatus(AdapterRecord, ScaleRecord, ReconciledStatus):
     """Observed state, written by the operator."""

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from fleetllm.api.deployment import LLMDeployment, ModelConfig, PodSpec
+from fleetllm.api.lora import AdapterSpec
 from fleetllm.api.manifests import (
     format_validation_error,
     load_llmdeployments,
@@ -98,16 +99,31 @@ def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
     )
 
 
+def _local_path(source: str, base: Path, field: str) -> Path:
+    """A file:// source's path, absolute (a relative one is read from `base`)."""
+    path = (base / Path(ModelSource.parse(source).location).expanduser()).resolve()
+    if not path.exists():
+        raise FleetError(f"{field} {source!r}: {path} does not exist")
+    return path
+
+
+def _localized(adapter: AdapterSpec, base: Path) -> AdapterSpec:
+    if not adapter.source.startswith("file://"):
+        return adapter
+    path = _local_path(adapter.source, base, f"adapter {adapter.name}")
+    return adapter.model_copy(update={"source": f"file://{path}"})
+
+
 def localize(cr: LLMDeployment, base: Path) -> LLMDeployment:
-    """A file:// source as an absolute path (relative ones are read from `base`, the
-    manifest's folder); a local Hugging Face folder sizes the model by its config.json
-    when the manifest names no architecture."""
+    """file:// sources (the model's, the adapters') as absolute paths (relative ones are read
+    from `base`, the manifest's folder); a local Hugging Face folder sizes the model by its
+    config.json when the manifest names no architecture."""
+    adapters = [_localized(adapter, base) for adapter in cr.spec.adapters]
+    cr = cr.model_copy(update={"spec": cr.spec.model_copy(update={"adapters": adapters})})
     source = ModelSource.parse(cr.spec.model.source)
     if source.scheme != "file":
         return cr
-    path = (base / Path(source.location).expanduser()).resolve()
-    if not path.exists():
-        raise FleetError(f"model.source {cr.spec.model.source!r}: {path} does not exist")
+    path = _local_path(cr.spec.model.source, base, "model.source")
     model = cr.spec.model.model_copy(update={"source": f"file://{path}"})
     config_file = path / "config.json"
     if model.config is None and model.architecture is None and config_file.is_file():
@@ -140,6 +156,12 @@ def _local_problems(cr: LLMDeployment, vllm: Path | None) -> list[str]:
             "engine.backend vllm runs vLLM's OpenAI server, which is not installed here: "
             f"{INSTALL_HINT}; or use engine.backend: builtin"
         )
+    for adapter in spec.adapters:
+        if adapter.source.startswith("pvc://"):
+            problems.append(
+                f"adapter {adapter.name}: {adapter.source} is a claim of a cluster; on this "
+                "machine give a file:// path (or an hf:// or s3:// source, pulled here)"
+            )
     for index, var in enumerate(spec.engine.env):
         if var.value_from is not None:
             problems.append(
@@ -257,7 +279,8 @@ def load_fleet(
                 vllm_executable(vllm) if vllm is not None and cr.spec.engine.backend == "vllm"
                 else (sys.executable, "-m", "fleetllm.cli")
             )  # fmt: skip
-            models.append(LocalModel(cr, planned, where, executable))
+            adapters = {a.name: placement.adapter_path(a.model_source()) for a in cr.spec.adapters}
+            models.append(LocalModel(cr, planned, where, executable, adapters))
     if problems:
         raise FleetError("\n".join(problems))
     return models

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.local.vllm import cpu_env
 from fleetllm.planner.engine_argv import KV_EVENTS_FLAG
+from fleetllm.planner.lora import lora_env
 from fleetllm.planner.plan import Plan
 from fleetllm.planner.timing import startup_seconds
 from fleetllm.router.config import RouterSettings
@@ -38,6 +39,8 @@ class LocalModel:
     """The manifest it came from, for messages."""
     executable: tuple[str, ...]
     """What runs the planned command's program here (`fleetllm`, `vllm`)."""
+    adapters: Mapping[str, str] = field(default_factory=dict)
+    """Its LoRA adapters: name -> the folder the replicas load it from."""
 
     @property
     def name(self) -> str:
@@ -153,6 +156,7 @@ def replica_env(
         env.update(VLLM_ENV)
         if not model.plan.gpu.is_gpu and cores:
             env.update(cpu_env(cores))
+    env.update(lora_env(model.cr.spec.lora))
     env = spec_env(model, env)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)

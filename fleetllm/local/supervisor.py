@@ -36,6 +36,7 @@ from fleetllm.local.launch import (
     replica_env,
     spec_env,
 )
+from fleetllm.local.lora import adapter_routes, load_adapters
 from fleetllm.local.policy import (
     Candidate,
     State,
@@ -107,6 +108,8 @@ class ModelFleet:
     """When the router last held requests for want of a ready replica."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set to make the autoscaler step at once."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Adapters a replica refused to load: name -> the engine's reason."""
 
     @property
     def name(self) -> str:
@@ -121,8 +124,17 @@ class ModelFleet:
             for r in self.replicas.values()
             if r.url and r.state in (State.READY, State.DRAINING)
         )
+        adapters = adapter_routes(self.model.adapters, self.refused)
         routing = self.model.cr.spec.routing
-        return ModelRoute(self.name, refs, routing, None, self.desired, tokenizer=self.model_dir)
+        return ModelRoute(
+            self.name,
+            refs,
+            routing,
+            None,
+            self.desired,
+            tokenizer=self.model_dir,
+            adapters=adapters,
+        )
 
 
 class LocalDiscovery:
@@ -298,18 +310,23 @@ class Supervisor:
     # -- preparing a model -----------------------------------------------------------------
 
     async def _prepare(self, fleet: ModelFleet) -> None:
-        """Pull (hf://, s3://) and convert (GGUF, builtin engine) the weights once, with
-        progress, before any replica starts."""
+        """Pull (hf://, s3://) and convert (GGUF, builtin engine) the weights once, and pull
+        the hf:// and s3:// adapters, with progress, before any replica starts."""
         model = fleet.model
-        argv = [sys.executable, "-m", "fleetllm.local.prepare", model.cr.spec.model.source]
-        argv.append(model.plan.model_path)
         # A built-in model is converted once: the builtin engine loads it, vLLM its folder.
         resolve = model.backend == "builtin" or model.plan.source.scheme == "builtin"
-        if resolve:
-            argv.append("--resolve")
-        if resolve or model.plan.source.downloaded:
+        work = [(model.cr.spec.model.source, model.plan.model_path, resolve)]
+        if not resolve and not model.plan.source.downloaded:
+            work = []
+        work += [
+            (a.model_source().uri, model.adapters[a.name], False)
+            for a in model.cr.spec.adapters
+            if a.model_source().downloaded
+        ]
+        for source, path, convert in work:
+            argv = [sys.executable, "-m", "fleetllm.local.prepare", source, path]
             process = await GuardedProcess.start(
-                argv,
+                [*argv, "--resolve"] if convert else argv,
                 # As the pod's pull container, with the spec's variables (credentials).
                 spec_env(model, os.environ),
                 self.settings.log_dir / f"{model.cr.metadata.name}-prepare.log",
@@ -459,6 +476,11 @@ class Supervisor:
                 process.kill()
                 return await exited
 
+            if model.adapters:  # before its first request: ready replicas hold them all
+                assert self.session is not None
+                fleet.refused |= await load_adapters(
+                    self.session, fleet.name, replica.name, replica.url, model.adapters
+                )
             replica.set_state(State.READY)
             replica.ready_since = time.monotonic()
             self.publish()

@@ -8,6 +8,7 @@ import json
 from fleetllm.api.catalog import GPUType
 from fleetllm.api.contract import ENGINE_PORT, KV_EVENTS_PORT, KV_EVENTS_TOPIC, KV_REPLAY_PORT
 from fleetllm.api.deployment import LLMDeploymentSpec
+from fleetllm.planner.lora import lora_args
 from fleetllm.planner.memory import MemoryEstimate
 from fleetllm.planner.vllm_cpu import KV_FLAG, kv_cache_bytes
 
@@ -77,6 +78,7 @@ def engine_command(
             builtin += ["--quantization", quant.weights]
         if quant.kv_cache != "auto":
             builtin += ["--kv-cache-dtype", quant.kv_cache]
+        builtin += lora_args(spec.lora)
         builtin += [*_speculative_args(spec), *kv_events_args(spec)]
         return ("fleetllm", "engine", "serve"), tuple(builtin)
     # `vllm serve MODEL`: the positional form (vLLM deprecates --model there).
@@ -106,6 +108,7 @@ def engine_command(
         args += ["--quantization", flag]
     if quant.kv_cache != "auto":
         args += ["--kv-cache-dtype", quant.kv_cache]
+    args += lora_args(spec.lora)
     args += [*_speculative_args(spec), *kv_events_args(spec)]
     return ("vllm", "serve"), tuple(args)
 

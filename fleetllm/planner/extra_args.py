@@ -49,6 +49,13 @@ OWNED_FLAGS = {
     "-q": "quantization.weights",
     "--kv-cache-dtype": "quantization.kvCache",
     "--speculative-config": "speculative",
+    "--enable-lora": "lora",
+    "--max-loras": "lora.maxLoras",
+    "--max-lora-rank": "lora.maxLoraRank",
+    "--max-cpu-loras": "lora.maxCpuLoras",
+    # Adapters given at start would be fixed for the replica's life: spec.adapters loads
+    # them at run time instead.
+    "--lora-modules": "adapters",
     # vLLM reads a YAML file of flags: the planned ones could be set there unseen.
     "--config": "(planned)",
 }

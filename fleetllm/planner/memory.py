@@ -6,8 +6,9 @@ reproducible by hand:
                   / (tensor x pipeline)
     overhead    = runtime + activations(max_num_batched_tokens) + logits(max_num_seqs)
     kv/token    = 2 x ceil(layers / pipeline) x max(1, kv_heads / tensor) x head_dim x kv bytes
-    capacity    = floor((budget - weights - overhead) / kv/token), whole blocks of 16 tokens
-                  (128 for vLLM on a CPU, whose attention kernels need multiples of 32)
+    lora        = the adapter slots of spec.lora (`lora.lora_bytes`), 0 without
+    capacity    = floor((budget - weights - overhead - lora) / kv/token), whole blocks of 16
+                  tokens (128 for vLLM on a CPU, whose attention kernels need multiples of 32)
 
 For the builtin engine, weights and kv/token are exactly what each of its ranks allocates
 (the engine's own formulas, `fleetllm.engine.sizing`); a CPU replica's ranks share the pod's
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from fleetllm.api.catalog import GIB, GPUType, ModelArch
+from fleetllm.api.lora import LoraSpec
 from fleetllm.engine import sizing
+from fleetllm.planner.lora import lora_bytes
 
 BLOCK_SIZE = 16
 # vLLM's CPU attention kernels take only multiples of 32 tokens a block; 128 is its own
@@ -84,10 +87,12 @@ class MemoryEstimate:
     capacity_tokens: int
     tuning: ClassTuning
     block_size: int = BLOCK_SIZE
+    lora_bytes: int = 0
+    """LoRA's adapter slots (and on a CPU the adapters kept loaded beside them)."""
 
     @property
     def kv_budget_bytes(self) -> int:
-        return self.budget_bytes - self.weights_bytes - self.overhead_bytes
+        return self.budget_bytes - self.weights_bytes - self.overhead_bytes - self.lora_bytes
 
     @property
     def num_kv_blocks(self) -> int:
@@ -160,6 +165,7 @@ def estimate(
     kv_cache: str = "auto",
     memory_bytes: int | None = None,
     backend: str = "vllm",
+    lora: LoraSpec | None = None,
 ) -> MemoryEstimate:
     """Per-device budget of a replica; capacity is 0 when nothing is left for the KV cache.
     A CPU replica is one device: its tensor-parallel ranks share the pod's memory."""
@@ -203,7 +209,10 @@ def estimate(
         per_token = sharing * kv_bytes_per_token(
             arch, tensor=tensor, pipeline=pipeline, kv_dtype_bytes=kv_dtype_bytes
         )
-    free = budget - weights_per_device - overhead
+    adapters = sharing * lora_bytes(
+        arch, lora, tensor=tensor, pipeline=pipeline, dtype_bytes=dtype_bytes, on_gpu=gpu.is_gpu
+    )
+    free = budget - weights_per_device - overhead - adapters
     block = VLLM_CPU_BLOCK_SIZE if backend == "vllm" and not gpu.is_gpu else BLOCK_SIZE
     capacity = (max(0, free) // per_token) // block * block
     return MemoryEstimate(
@@ -215,6 +224,7 @@ def estimate(
         capacity_tokens=capacity,
         tuning=tuning,
         block_size=block,
+        lora_bytes=adapters,
     )
 
 

@@ -39,6 +39,41 @@ class ClusterPlacement:
             return f"{MODEL_MOUNT}/{source.path}" if source.path else MODEL_MOUNT
         return f"{MODEL_CACHE_MOUNT}/{source.cache_key()}"
 
+    def adapter_path(
+        self, adapter: ModelSource, model: ModelSource, model_cache_claim: str | None
+    ) -> str:
+        """Where the replicas read a LoRA adapter's files, which must reach running replicas
+        without a change to their pods: a volume every replica mounts already. hf:// and s3://
+        adapters are pulled into the model cache claim (`model_cache_claim`, the operator's
+        --model-cache-claim); a pvc:// adapter must be on the model's own claim or on that
+        one. ValueError saying why an adapter cannot reach them."""
+        if adapter.scheme == "file":
+            raise ValueError(
+                f"{adapter.uri} is a path on one machine, served only by `fleetllm up`; in a "
+                "cluster use hf://, s3:// or pvc://"
+            )
+        if adapter.scheme == "pvc":
+            sub = f"/{adapter.path}" if adapter.path else ""
+            if model.scheme == "pvc" and adapter.location == model.location:
+                return MODEL_MOUNT + sub
+            if adapter.location == model_cache_claim:
+                return MODEL_CACHE_MOUNT + sub
+            mounted = [f"the model's ({model.location})"] if model.scheme == "pvc" else []
+            if model_cache_claim is not None:
+                mounted.append(f"the model cache ({model_cache_claim})")
+            raise ValueError(
+                f"{adapter.uri}: the replicas do not mount the claim {adapter.location} (they "
+                f"mount {' and '.join(mounted) or 'no claim'}); mounting another would restart "
+                "them. Put the adapter on one of those, or give an hf:// or s3:// source"
+            )
+        if model_cache_claim is None:
+            raise ValueError(
+                f"{adapter.uri}: hf:// and s3:// adapters are pulled into the operator's model "
+                "cache claim (--model-cache-claim), which every replica mounts; this operator "
+                "has none. Set it, or put the adapter on the model's pvc:// claim"
+            )
+        return f"{MODEL_CACHE_MOUNT}/{adapter.cache_key()}"
+
 
 @dataclass(frozen=True)
 class LocalPlacement:
@@ -59,6 +94,13 @@ class LocalPlacement:
         if source.scheme in ("builtin", "file"):
             return source.location
         return str(self.pulled / source.cache_key())
+
+    def adapter_path(self, adapter: ModelSource) -> str:
+        """Where the replicas read a LoRA adapter: a local path, or the folder of the local
+        cache its files are pulled to. ValueError for a pvc:// claim (a cluster's)."""
+        if adapter.scheme == "pvc":
+            raise ValueError(f"{adapter.uri}: a claim exists only in a cluster")
+        return self.model_path(adapter)
 
 
 Placement = ClusterPlacement | LocalPlacement

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from fleetllm.api.catalog import GPUType, ModelArch
 from fleetllm.api.deployment import LLMDeploymentSpec
+from fleetllm.api.lora import LoraSpec
 from fleetllm.api.source import ModelSource
 from fleetllm.api.status import PlanStatus
 from fleetllm.planner.checks import (
@@ -20,6 +21,7 @@ from fleetllm.planner.checks import (
 from fleetllm.planner.engine_argv import engine_command
 from fleetllm.planner.errors import PlanError
 from fleetllm.planner.extra_args import check_extra_args
+from fleetllm.planner.lora_fit import check_lora_fits
 from fleetllm.planner.memory import MemoryEstimate, estimate, gib, weight_bytes
 from fleetllm.planner.parallelism import check_builtin_parallelism, check_parallelism
 from fleetllm.planner.placement import IN_CLUSTER, LocalPlacement, Placement, fills_cache
@@ -100,18 +102,24 @@ def plan(
     dtype = resolve_dtype(spec, gpu, config.cpu_bf16)
     quant = spec.quantization
     memory = memory_bytes(spec, gpu)
-    est = estimate(
-        arch,
-        gpu,
-        tensor=tp,
-        pipeline=pp,
-        dtype=dtype,
-        weights=quant.weights,
-        kv_cache=quant.kv_cache,
-        memory_bytes=memory,
-        backend=spec.engine.backend,
-    )
+
+    def sized(lora: LoraSpec | None) -> MemoryEstimate:
+        return estimate(
+            arch,
+            gpu,
+            tensor=tp,
+            pipeline=pp,
+            dtype=dtype,
+            weights=quant.weights,
+            kv_cache=quant.kv_cache,
+            memory_bytes=memory,
+            backend=spec.engine.backend,
+            lora=lora,
+        )
+
+    est = sized(spec.lora)
     where = f"{tp * pp} x {gpu.name}" if gpu.is_gpu else f"cpu ({gib(memory)} GiB)"
+    check_lora_fits(spec.lora, arch, max_model_len, est, where, sized)
     if est.kv_budget_bytes <= 0:
         raise PlanError(
             "WeightsDoNotFit",
@@ -158,6 +166,7 @@ def plan(
         weights_gib=gib(est.weights_bytes),
         kv_cache_gib=gib(est.capacity_tokens * est.kv_bytes_per_token),
         overhead_gib=gib(est.overhead_bytes),
+        lora_gib=gib(est.lora_bytes) if spec.lora is not None else None,
         kv_bytes_per_token=est.kv_bytes_per_token,
         max_concurrent_tokens=est.capacity_tokens,
         max_concurrent_sequences=est.sequences(max_model_len),

@@ -40,6 +40,7 @@ def suggestions(
         "weights": quant.weights,
         "kv_cache": quant.kv_cache,
         "backend": backend,
+        "lora": spec.lora,
     }
 
     def fits(target: GPUType = gpu, **changes: Any) -> bool:

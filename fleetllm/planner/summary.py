@@ -27,6 +27,7 @@ def plan_summary(cr: LLMDeployment, result: Plan | PlanError) -> str:
         ),
         ("weights", f"{s.weights_gib:.2f} GiB per device"),
         ("overhead", f"{s.overhead_gib:.2f} GiB per device (activations, runtime)"),
+        *_lora_rows(cr, result),
         (
             "KV cache",
             f"{s.kv_cache_gib:.2f} GiB per device, {s.kv_cache_dtype}, "
@@ -49,3 +50,13 @@ def plan_summary(cr: LLMDeployment, result: Plan | PlanError) -> str:
     width = max(len(label) for label, _ in rows)
     lines = "".join(f"  {label:<{width}}  {value}\n" for label, value in rows)
     return f"{title}: planned\n{lines}"
+
+
+def _lora_rows(cr: LLMDeployment, result: Plan) -> list[tuple[str, str]]:
+    lora = cr.spec.lora
+    if lora is None:
+        return []
+    kept = "" if result.gpu.is_gpu else f", {lora.cpu_loras} more kept loaded"
+    slots = f"{lora.max_loras} slots of rank {lora.max_lora_rank}{kept}"
+    adapters = len(cr.spec.adapters)
+    return [("LoRA", f"{result.status.lora_gib:.2f} GiB per device ({slots}; {adapters} adapters)")]

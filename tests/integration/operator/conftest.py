@@ -27,6 +27,7 @@ from fleetllm.api.deployment import KIND
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.login import Credentials, load_credentials
 from fleetllm.operator.handlers import OperatorState, build_registry, make_settings
+from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
 
 
 @pytest_asyncio.fixture()
@@ -91,16 +92,21 @@ class RunningOperator:
         priority: int | None = None,
         autoscale_interval: float = 5.0,
         resync_interval: float = 300.0,
+        adapter_interval: float = 10.0,
         settings: kopf.OperatorSettings | None = None,
         namespaces: list[str] | None = [NAMESPACE],  # noqa: B006 - never mutated
         clock_rate: float = 1.0,
+        config: OperatorConfig = DEFAULT_CONFIG,
     ) -> None:
         client = KubeClient(load, user_agent=user_agent)
-        self.state = OperatorState.create(client, conflict_recheck_seconds=conflict_recheck_seconds)
+        self.state = OperatorState.create(
+            client, config, conflict_recheck_seconds=conflict_recheck_seconds
+        )
         self.priority = priority
         """None: standalone; else a peering member ("fleetllm") with this priority."""
         self.autoscale_interval = autoscale_interval
         self.resync_interval = resync_interval
+        self.adapter_interval = adapter_interval
         self.settings = settings
         self.namespaces = namespaces
         self.clock_rate = clock_rate
@@ -124,7 +130,9 @@ class RunningOperator:
             with asyncio.Runner(loop_factory=lambda: FastClockLoop(rate)) as runner:
                 runner.run(
                     kopf.operator(
-                        registry=build_registry(self.autoscale_interval, self.resync_interval),
+                        registry=build_registry(
+                            self.autoscale_interval, self.resync_interval, self.adapter_interval
+                        ),
                         settings=settings,
                         memo=self.state,
                         clusterwide=self.namespaces is None,
@@ -172,7 +180,8 @@ async def start_operator(
         kubeconfig: Path = default, conflict_recheck_seconds: float = 0.5, **kwargs: Any
     ) -> RunningOperator:
         """kwargs: user_agent, priority (a peering member), autoscale_interval,
-        resync_interval, settings, namespaces, clock_rate (see RunningOperator)."""
+        resync_interval, adapter_interval, settings, namespaces, clock_rate, config (see
+        RunningOperator)."""
         load = functools.partial(load_credentials, kubeconfig=kubeconfig)
         operator = RunningOperator(load, conflict_recheck_seconds, **kwargs)
         running.append(operator)

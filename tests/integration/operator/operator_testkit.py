@@ -16,11 +16,11 @@ from kubeapi import CR_RESOURCE, NAMESPACE, EmulatedApiServer
 
 from fleetllm.api.contract import selector_labels
 from fleetllm.api.deployment import API_VERSION, KIND
-from fleetllm.api.status import ReconciledStatus, ScaleRecord, field_names
+from fleetllm.api.status import AdapterRecord, ReconciledStatus, ScaleRecord, field_names
 from fleetllm.engine.engine import EngineStats
 from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.kube.client import DEFAULT_FIELD_MANAGER
-from fleetllm.operator import scaler
+from fleetllm.operator import adapter_loader, scaler
 from fleetllm.operator.scaler import POD_DELETION_COST
 
 MODEL = "smollm2-135m"
@@ -47,9 +47,10 @@ def smollm2_cr(replicas: int) -> dict[str, Any]:
 STATUS_WRITERS = {
     **dict.fromkeys(field_names(ReconciledStatus), DEFAULT_FIELD_MANAGER),
     **dict.fromkeys(field_names(ScaleRecord), scaler.FIELD_MANAGER),
+    **dict.fromkeys(field_names(AdapterRecord), adapter_loader.FIELD_MANAGER),
 }
 """Each LLMDeployment status field -> the field manager of its one writer: the reconciler
-(the client's default manager) or the builtin autoscaler."""
+(the client's default manager), the builtin autoscaler or the adapter loader."""
 
 
 def status_writers(api: EmulatedApiServer) -> dict[str, set[str]]:
@@ -80,14 +81,24 @@ class Load:
 
 
 class FakeEngine:
-    """One replica's /metrics: fleetllm's engine exposition, with the load the test sets."""
+    """One replica's /metrics: fleetllm's engine exposition, with the load the test sets; and
+    its LoRA adapter API as vLLM serves it (/v1/models, /v1/load_lora_adapter,
+    /v1/unload_lora_adapter), refusing the adapter folders in `refuse` with their message."""
 
-    def __init__(self, load: Load) -> None:
+    def __init__(self, load: Load, refuse: dict[str, str] | None = None) -> None:
         self.load = load
         self.metrics = EngineMetrics(MODEL, self._stats)
         self.scrapes = 0
         self._runner: web.AppRunner | None = None
         self.port = 0
+        self.refuse = refuse if refuse is not None else {}
+        self.adapters: dict[str, str] = {}
+        """Loaded adapters: name -> folder."""
+        self.loads: list[tuple[str, str]] = []
+        """Every load asked for: (name, folder)."""
+        self.keys: set[str | None] = set()
+        """The Authorization headers the adapter API got."""
+        self.listings = 0
 
     def _stats(self) -> EngineStats:
         return load_stats(self.load.running, self.load.waiting, self.load.kv)
@@ -98,8 +109,37 @@ class FakeEngine:
             self.metrics.queue.observe(0.05)
         return web.Response(body=self.metrics.render(), content_type="text/plain")
 
+    async def _models(self, request: web.Request) -> web.Response:
+        self.keys.add(request.headers.get("Authorization"))
+        self.listings += 1
+        cards = [{"id": MODEL, "object": "model", "parent": None}]
+        cards += [{"id": n, "object": "model", "parent": MODEL} for n in self.adapters]
+        return web.json_response({"object": "list", "data": cards})
+
+    async def _load(self, request: web.Request) -> web.Response:
+        self.keys.add(request.headers.get("Authorization"))
+        body = await request.json()
+        name, path = body["lora_name"], body["lora_path"]
+        self.loads.append((name, path))
+        if path in self.refuse:
+            return _error(400, self.refuse[path])
+        if name in self.adapters:
+            return _error(400, f"The lora adapter '{name}' has already been loaded.")
+        self.adapters[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload(self, request: web.Request) -> web.Response:
+        self.keys.add(request.headers.get("Authorization"))
+        name = (await request.json())["lora_name"]
+        if self.adapters.pop(name, None) is None:
+            return _error(404, f"The lora adapter '{name}' cannot be found.")
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
     async def start(self) -> None:
         app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/load_lora_adapter", self._load)
+        app.router.add_post("/v1/unload_lora_adapter", self._unload)
         app.router.add_get("/metrics", self._serve)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
@@ -110,6 +150,13 @@ class FakeEngine:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "BadRequestError", "param": None, "code": status}},
+        status=status,
+    )
 
 
 @dataclass
@@ -124,12 +171,14 @@ class Controllers:
     namespace: str = NAMESPACE
     engines: dict[str, FakeEngine] = field(default_factory=dict)
     removed: list[str] = field(default_factory=list)
+    refuse: dict[str, str] = field(default_factory=dict)
+    """Adapter folders every replica refuses to load: folder -> the engine's message."""
     _count: int = 0
 
     async def _create_pod(self) -> None:
         self._count += 1
         pod = f"{self.name}-engine-{self._count}"
-        engine = FakeEngine(Load(**vars(self.load)))
+        engine = FakeEngine(Load(**vars(self.load)), self.refuse)
         await engine.start()
         self.engines[pod] = engine
         body = {
@@ -200,6 +249,13 @@ class Controllers:
                     self.removed.append(name)
                     await self.engines.pop(name).stop()
             await asyncio.sleep(0.05)
+
+    async def restart(self, pod: str) -> None:
+        """The replica's engine dies and its pod goes; the ReplicaSet makes a new one."""
+        await self.engines.pop(pod).stop()
+        async with self.api.delete(f"{self.pods_path}/{pod}") as response:
+            assert response.status == 200
+        self.removed.append(pod)
 
     async def stop(self) -> None:
         for engine in self.engines.values():

@@ -10,7 +10,9 @@ against the emulated API server through a whole life, in each watched namespace:
 - a model the operator's autoscaler scales down (idle replicas, reported by engines' /metrics;
   pods annotated with their deletion cost first);
 - a model scaled by an HPA, then by a KEDA ScaledObject, then by the operator again: each
-  rendered in turn, the previous one deleted.
+  rendered in turn, the previous one deleted;
+- a model with a LoRA adapter from a hub: pulled by a Job into the model cache, then removed
+  (its Job deleted).
 Every request the server saw is turned into the
 attributes Kubernetes authorizes (tests/rbac.py), and the rendered RBAC must allow every one
 of them and grant nothing else: no verb, resource or namespace that no call used, no
@@ -42,6 +44,7 @@ from rbac import Attributes, Grant, allows, attributes, grants, wildcards
 from fleetllm.api.deployment import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from fleetllm.cli import build_parser
 from fleetllm.operator.handlers import make_settings
+from fleetllm.planner.settings import ModelCache, OperatorConfig
 
 pytestmark = [
     pytest.mark.asyncio,
@@ -57,6 +60,7 @@ CHILD_SELECTOR = "app.kubernetes.io/managed-by=fleetllm"
 CHILD_KINDS = {"configmaps", "services", "deployments", "poddisruptionbudgets", "endpointslices"}
 CR_RESOURCE = f"{GROUP}/{VERSION}/{PLURAL}"
 HPAS = "autoscaling/v2/horizontalpodautoscalers"
+JOBS = "batch/v1/jobs"
 SCALEDOBJECTS = "keda.sh/v1alpha1/scaledobjects"
 HPA = {"minReplicas": 1, "maxReplicas": 3, "mode": "hpa"}
 KEDA = {"mode": "keda", "prometheusAddress": "http://prometheus.monitoring.svc:9090"}
@@ -198,7 +202,11 @@ async def _live_control_plane(
         namespaces=namespaces,
     )
     operator = await start_operator(
-        settings=settings, namespaces=namespaces, autoscale_interval=0.2
+        settings=settings,
+        namespaces=namespaces,
+        autoscale_interval=0.2,
+        adapter_interval=1.0,
+        config=OperatorConfig(model_cache=ModelCache("models")),
     )
     kubeconfig = tmp_path / "router-kubeconfig"
     kubeconfig.write_text(kubeconfig_for(str(api.url).rstrip("/")))
@@ -282,10 +290,48 @@ async def _live_control_plane(
         for namespace in homes:
             await _patch_scaling(api, namespace, {"mode": None, "prometheusAddress": None})
         await eventually(lambda: only(None), "neither, the operator scales again", 60)
+        await _adapter_pulled_loaded_and_removed(api, eventually, homes)
     finally:
         router.stop()
         await operator.stop()
     return homes
+
+
+async def _adapter_pulled_loaded_and_removed(
+    api: EmulatedApiServer, eventually: Callable[..., Any], homes: list[str]
+) -> None:
+    """A model at zero replicas with an adapter from a hub, in each namespace: the Job
+    controller's part, each pull succeeds; then the adapter goes again."""
+    for namespace in homes:
+        lora = _llmdeployment(namespace, "lora", 0)
+        lora["spec"] |= {"lora": {}, "adapters": [{"name": "sql", "source": "hf://o/sql"}]}
+        await _post(api, f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}", lora)
+
+    def jobs() -> list[dict[str, Any]]:
+        return [j for j in api.list(JOBS) if j["metadata"].get("namespace") in homes]
+
+    await eventually(lambda: len(jobs()) == len(homes), "a pull Job in each namespace", 60)
+    for job in jobs():
+        meta = job["metadata"]
+        path = f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs/{meta['name']}/status"
+        headers = {"Content-Type": "application/merge-patch+json"}
+        async with api.patch(path, json={"status": {"succeeded": 1}}, headers=headers) as answer:
+            assert answer.status == 200, await answer.text()
+
+    def pulled() -> bool:
+        return all(
+            [a.get("reason") for a in (api.get(CR_RESOURCE, "lora", ns) or {})
+             .get("status", {}).get("adapters") or []] == ["NoReplicaReady"]
+            for ns in homes
+        )  # fmt: skip
+
+    await eventually(pulled, "each adapter pulled, waiting for a replica", 60)
+    for namespace in homes:
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/lora"
+        headers = {"Content-Type": "application/merge-patch+json"}
+        async with api.patch(path, json={"spec": {"adapters": []}}, headers=headers) as answer:
+            assert answer.status == 200, await answer.text()
+    await eventually(lambda: not jobs(), "the pull Jobs deleted", 60)
 
 
 def _calls(api: EmulatedApiServer, agent: Callable[[str], bool]) -> list[Attributes]:

@@ -1,5 +1,6 @@
 """vLLM's own parser reads every `vllm serve` command the planner makes: each vLLM example in
-manifests/examples and, as a property, any plan of a vLLM deployment, with the planned values;
+manifests/examples and, as a property, any plan of a vLLM deployment (LoRA slots included),
+with the planned values;
 the checked-in table of vLLM's flags the planner reads engine.extraArgs with is the installed
 vLLM's, the default image is that version, and the planner's reading of extraArgs agrees with
 vLLM's parser on what it accepts, what each flag sets and the message of a refusal."""
@@ -22,6 +23,7 @@ from fleetllm.api.deployment import LLMDeploymentSpec
 from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.images import VLLM_IMAGE, VLLM_VERSION
 from fleetllm.planner.errors import ArgsRefused, PlanError
+from fleetllm.planner.lora_fit import RANKS
 from fleetllm.planner.plan import Plan, plan
 from fleetllm.planner.vllm_args import read_vllm_args, vllm_flags
 from fleetllm.planner.vllm_cpu import kv_cache_bytes
@@ -104,6 +106,11 @@ def test_every_vllm_example_parses_with_the_planned_values(vllm_parser: VllmPars
     max_num_seqs=st.none() | st.integers(1, 512),
     drain=st.integers(1, 600),
     speculative=st.booleans(),
+    lora=st.none()
+    | st.fixed_dictionaries(
+        {"maxLoras": st.integers(1, 16), "maxLoraRank": st.sampled_from(RANKS)},
+        optional={"maxCpuLoras": st.integers(16, 64)},
+    ),
 )
 def test_any_vllm_plan_parses_with_the_planned_values(
     vllm_parser: VllmParser,
@@ -117,6 +124,7 @@ def test_any_vllm_plan_parses_with_the_planned_values(
     max_num_seqs: int | None,
     drain: int,
     speculative: bool,
+    lora: dict[str, int] | None,
 ) -> None:
     engine: dict[str, Any] = {"backend": "vllm", "drainSeconds": drain}
     if max_num_seqs is not None:
@@ -131,6 +139,8 @@ def test_any_vllm_plan_parses_with_the_planned_values(
     }
     if speculative:
         body["speculative"] = {"numSpeculativeTokens": 3}
+    if lora is not None:
+        body["lora"] = lora
     try:
         planned = plan(LLMDeploymentSpec.model_validate(body))
     except PlanError:
@@ -147,6 +157,10 @@ def test_any_vllm_plan_parses_with_the_planned_values(
     assert read["quantization"] == expected
     if speculative:
         assert json.loads(json.dumps(read["speculative_config"]))["num_speculative_tokens"] == 3
+    assert bool(read["enable_lora"]) is (lora is not None)
+    if lora is not None:
+        assert (read["max_loras"], read["max_lora_rank"]) == (lora["maxLoras"], lora["maxLoraRank"])
+        assert read["max_cpu_loras"] == lora.get("maxCpuLoras", lora["maxLoras"])
 
 
 # -- engine.extraArgs: the planner reads them as vLLM does ------------------------------------

@@ -14,7 +14,15 @@ import pytest
 from pydantic import ValidationError
 
 from fleetllm.api.base import SpecModel
-from fleetllm.api.deployment import SPECULATIVE_RULES, SpeculativeSpec
+from fleetllm.api.deployment import (
+    SPEC_RULES,
+    SPECULATIVE_RULES,
+    GPUSpec,
+    LLMDeploymentSpec,
+    ModelSpec,
+    SpeculativeSpec,
+)
+from fleetllm.api.lora import ADAPTER_RULES, LORA_RULES, AdapterSpec, LoraSpec
 from fleetllm.api.rules import Rule
 from fleetllm.api.scaling import MAX_HPA_DELAY_SECONDS, SCALING_RULES, ScalingSpec
 from fleetllm.operator.crd import openapi_schema
@@ -32,7 +40,7 @@ class Table:
     cases: list[dict[str, Any]]
     """Each field at values on both sides of every rule's boundary."""
     path: str
-    """Where the model sits under spec."""
+    """Where the model sits under spec ("" for spec itself, `[]` for a list's items)."""
 
     def unchecked(self, fields: dict[str, Any]) -> Any:
         """The model with these fields and the defaults of the rest, its rules not checked."""
@@ -59,6 +67,42 @@ TABLES = [
         SPECULATIVE_RULES,
         grid(num_speculative_tokens=(2,), prompt_lookup_min=(1, 2, 3), prompt_lookup_max=(1, 2)),
         "speculative",
+    ),
+    Table(
+        LoraSpec,
+        LORA_RULES,
+        grid(max_loras=(1, 4, 8), max_lora_rank=(16,), max_cpu_loras=(None, 2, 4, 16)),
+        "lora",
+    ),
+    Table(
+        AdapterSpec,
+        ADAPTER_RULES,
+        grid(
+            name=("sql",),
+            source=("hf://org/sql-lora", "s3://bucket/sql", "pvc://adapters/sql", "file:///a"),
+            revision=(None, "v2"),
+        ),
+        "adapters[]",
+    ),
+    Table(
+        LLMDeploymentSpec,
+        SPEC_RULES,
+        grid(
+            model=(ModelSpec(name="base", source="builtin://smollm2-135m"),),
+            gpu=(GPUSpec(type="cpu"),),
+            lora=(None, LoraSpec()),
+            adapters=(
+                [],
+                [AdapterSpec(name="sql", source="file:///sql")],
+                [AdapterSpec(name="base", source="file:///base")],
+                [
+                    AdapterSpec(name="sql", source="file:///sql"),
+                    AdapterSpec(name="chat", source="file:///chat"),
+                    AdapterSpec(name="sql", source="file:///sql2"),
+                ],
+            ),
+        ),
+        "",
     ),
 ]
 each_table = pytest.mark.parametrize("table", TABLES, ids=lambda t: t.path)
@@ -88,7 +132,11 @@ def test_each_cel_rule_agrees_with_its_predicate(table: Table) -> None:
 
 @each_table
 def test_the_crd_carries_the_table(table: Table) -> None:
-    node = openapi_schema()["properties"]["spec"]["properties"][table.path]
+    node = openapi_schema()["properties"]["spec"]
+    if table.path:
+        node = node["properties"][table.path.removesuffix("[]")]
+    if table.path.endswith("[]"):
+        node = node["items"]
     assert node["x-kubernetes-validations"] == [
         {"rule": rule.cel, "message": rule.message} for rule in table.rules
     ]

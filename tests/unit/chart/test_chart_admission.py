@@ -289,6 +289,8 @@ def test_the_operator_writes_only_its_own_objects_and_only_pod_deletion_costs() 
         _write("CREATE", "deployments", ours, None),
         _write("UPDATE", "deployments", ours, ours),
         _write("DELETE", "horizontalpodautoscalers", None, ours),
+        _write("CREATE", "jobs", ours, None),
+        _write("DELETE", "jobs", None, ours),
         _write("UPDATE", "pods", _pod({COST: "-5"}), _pod({})),
         _write("UPDATE", "pods", _pod({COST: "3", "a": "1"}), _pod({COST: "1", "a": "1"})),
         # Anyone else is not this policy's business.
@@ -301,6 +303,8 @@ def test_the_operator_writes_only_its_own_objects_and_only_pod_deletion_costs() 
         _write("UPDATE", "deployments", foreign, foreign),
         _write("UPDATE", "deployments", ours, foreign),  # taking one over by labelling it
         _write("DELETE", "scaledobjects", None, foreign),
+        _write("CREATE", "jobs", foreign, None),
+        _write("DELETE", "jobs", None, foreign),
         _write("UPDATE", "pods", _pod({COST: "1"}, image="evil:1"), _pod({})),
         _write("UPDATE", "pods", _pod({"sidecar.istio.io/inject": "true"}), _pod({})),
         _write("UPDATE", "pods", _pod({}), _pod({"a": "1"})),

@@ -85,7 +85,7 @@ def test_spec_routing_decides_each_models_replica_choice() -> None:
             ("code", "code", {"routing": {"strategy": "prefix", "loadFactor": 3}}),
         )
     )
-    chat, batch, code = (pool.resolve(m) for m in ("chat", "batch", "code"))
+    chat, batch, code = (pool.resolve(m)[0] for m in ("chat", "batch", "code"))
 
     # session, keyed by the spec's header: each user sticks to one replica, users spread.
     for user in ("ada", "bob", "eve"):
@@ -116,7 +116,7 @@ def test_spec_routing_decides_each_models_replica_choice() -> None:
             ("code", "code", {}),
         )
     )
-    assert pool.resolve("chat") is chat and chat.strategy == "round-robin"
+    assert pool.resolve("chat")[0] is chat and chat.strategy == "round-robin"
     assert (batch.strategy, batch.session_header) == ("session", "x-session-id")
     # Without spec.routing, the CRD's defaults (what the API server stores) apply: at a load
     # factor of 1.25 the same prompt now leaves its busy replica.

@@ -5,12 +5,12 @@ blocks each request's tokens live in.
 
 Prefix caching: a full block is identified by a chained SHA-256 of (parent block's hash, its
 token ids), so equal hashes mean equal whole prefixes. The chain starts at a root that holds the
-request's `cache_salt`: requests with different salts never share a block. A cryptographic hash
-matters here: blocks are looked up by hash alone, so two different prefixes whose keys collide
-would share KV entries, and a client able to craft such collisions (easy with Python's `hash`)
-could poison other tenants' outputs. Each full block is hashed once, when the request's tokens
-first cover it, and registered in the cache once, when it is first fully computed; per-step
-work therefore does not grow with a request's length.
+request's `cache_salt` and LoRA adapter: requests with different salts or adapters never share
+a block. A cryptographic hash matters here: blocks are looked up by hash alone, so two
+different prefixes whose keys collide would share KV entries, and a client able to craft such
+collisions (easy with Python's `hash`) could poison other tenants' outputs. Each full block is
+hashed once, when the request's tokens first cover it, and registered in the cache once, when it
+is first fully computed; per-step work therefore does not grow with a request's length.
 
 Blocks whose reference count drops to zero stay in the cache and sit in a free queue in LRU
 order; they are evicted (their hash forgotten) only when an allocation needs them.
@@ -29,11 +29,16 @@ BlockHash = bytes  # a SHA-256 digest
 _UNSALTED_ROOT: BlockHash = hashlib.sha256(b"fleetllm-prefix-cache\0").digest()
 
 
-def root_hash(cache_salt: str | None = None) -> BlockHash:
-    """The parent of a request's first block: one per salt, and one for no salt."""
-    if cache_salt is None:
-        return _UNSALTED_ROOT
-    return hashlib.sha256(b"fleetllm-prefix-cache-salt\0" + cache_salt.encode()).digest()
+def root_hash(cache_salt: str | None = None, lora_key: bytes | None = None) -> BlockHash:
+    """The parent of a request's first block: one per salt and LoRA adapter (its 32-byte
+    key), and one for neither. KV computed with an adapter differs from the base model's and
+    from every other adapter's, so blocks are never shared across adapters."""
+    if lora_key is None:
+        if cache_salt is None:
+            return _UNSALTED_ROOT
+        return hashlib.sha256(b"fleetllm-prefix-cache-salt\0" + cache_salt.encode()).digest()
+    salt = b"\0" if cache_salt is None else b"\1" + cache_salt.encode()
+    return hashlib.sha256(b"fleetllm-prefix-cache-lora\0" + lora_key + salt).digest()
 
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
@@ -170,17 +175,22 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(
-        self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora_key: bytes | None = None,
     ) -> list[Block]:
         """Cached blocks covering the longest cached prefix of `token_ids` (among blocks
-        cached under the same `cache_salt`).
+        cached under the same `cache_salt` and LoRA adapter). A request's first call also
+        fixes the root its blocks are cached under.
 
         The last token is never served from the cache: the model must compute it to produce
         the next token's logits.
         """
         entry = self._requests.get(request_id)
         if entry is None:
-            entry = self._requests[request_id] = _RequestBlocks(root_hash(cache_salt))
+            entry = self._requests[request_id] = _RequestBlocks(root_hash(cache_salt, lora_key))
         if not self.enable_prefix_caching:
             return []
         usable = (len(token_ids) - 1) // self.block_size

@@ -68,7 +68,7 @@ class OpenAIServingChat:
             serving.max_model_len,
             param if max_tokens is not None else "messages",
         )
-        serving.submit(job, [params], req.cache_salt)
+        await serving.submit(job, [params], req.cache_salt)
         if req.stream:
             return serving.stream(job, _ChatChunks(self, req, job.n), req.include_usage)
         outputs = await serving.collect(job, http)

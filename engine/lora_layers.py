@@ -2,13 +2,16 @@
 add each row's own adapter delta.
 
 Every adapted projection (q/k/v, o, gate/up, down) is wrapped in a `LoRALinear` holding, for
-each of `max_loras` slots, A [parts * max_rank, in] and B [out, max_rank] of this rank's shard
-(smaller ranks zero-padded, absent modules zero). A step's batch mixes rows of several adapters
-and of the base model: before the forward the runner sets `LoRAState.batch`, the rows of each
-slot in use, and each projection then computes, per slot in use (at most `max_loras`, never per
-request), `y[rows] += (x[rows] @ A^T) @ B^T`; base rows are left exactly as the base computed
-them. A step without adapter rows runs the base layers alone (and so can replay a CUDA graph
-captured without LoRA).
+each of `max_loras` slots, A [parts * max_rank, in] and B [out, parts * max_rank] of this rank's
+shard (smaller ranks zero-padded, absent modules zero). A fused layer's parts (q, k and v; gate
+and up) stack their A by rows, and B is block-diagonal over them (part i's output rows read only
+part i's rank columns), so one matmul shrinks and one expands every part: a step costs a few
+operations per projection and slot, which is what matters on small models. A step's batch mixes
+rows of several adapters and of the base model: before the forward the runner sets
+`LoRAState.batch`, the rows of each slot in use, and each projection then computes, per slot in
+use (at most `max_loras`, never per request), `y[rows] += (x[rows] @ A^T) @ B^T`; base rows are
+left exactly as the base computed them. A step without adapter rows runs the base layers alone
+(and so can replay a CUDA graph captured without LoRA).
 
 Tensor parallelism shards the adapter as the base layer is sharded: a column-parallel layer
 (q/k/v, gate/up: output rows split) takes its rows of B and all of A; a row-parallel one (o,
@@ -39,9 +42,9 @@ LORA_LAYERS = (
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """The rows (token indices of the step) of each device slot in use."""
+    """The rows (token indices of the step) of each device slot in use; None: every row."""
 
-    groups: list[tuple[int, torch.Tensor]]
+    groups: list[tuple[int, torch.Tensor | None]]
 
 
 def lora_batch(slots: list[int], query_lens: list[int], device: torch.device) -> LoRABatch | None:
@@ -55,6 +58,8 @@ def lora_batch(slots: list[int], query_lens: list[int], device: torch.device) ->
         start += n
     if not rows:
         return None
+    if len(rows) == 1 and len(next(iter(rows.values()))) == start:
+        return LoRABatch([(next(iter(rows)), None)])  # one adapter, no base rows
     return LoRABatch(
         [(s, torch.tensor(r, dtype=torch.long, device=device)) for s, r in sorted(rows.items())]
     )
@@ -112,7 +117,9 @@ class LoRALinear(nn.Module):
         self.a = torch.zeros(
             state.max_loras, len(modules) * rank, self.in_features, dtype=dtype, device=device
         )
-        self.b = torch.zeros(state.max_loras, sum(self.out_sizes), rank, dtype=dtype, device=device)
+        self.b = torch.zeros(
+            state.max_loras, sum(self.out_sizes), len(modules) * rank, dtype=dtype, device=device
+        )
 
     def load(self, slot: int, layer_index: int, adapter: LoRAAdapter) -> None:
         rank = self.state.max_rank
@@ -132,7 +139,7 @@ class LoRALinear(nn.Module):
                     lo, hi = self.tp.split(b.shape[0])
                     b = b[lo:hi]
                 a_slot[i * rank : i * rank + r].copy_(a)
-                b_slot[start : start + out, :r].copy_(b)
+                b_slot[start : start + out, i * rank : i * rank + r].copy_(b)
             start += out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,14 +147,12 @@ class LoRALinear(nn.Module):
         batch = self.state.batch
         if batch is None:
             return y
-        rank = self.state.max_rank
         for slot, rows in batch.groups:
-            xa = x.index_select(0, rows) @ self.a[slot].t()
-            start = 0
-            for i, out in enumerate(self.out_sizes):
-                delta = xa[:, i * rank : (i + 1) * rank] @ self.b[slot, start : start + out].t()
-                y[:, start : start + out].index_add_(0, rows, delta)
-                start += out
+            if rows is None:
+                y.addmm_(x @ self.a[slot].t(), self.b[slot].t())
+            else:
+                xa = x.index_select(0, rows) @ self.a[slot].t()
+                y.index_add_(0, rows, xa @ self.b[slot].t())
         return y
 
 

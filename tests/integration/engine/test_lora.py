@@ -103,7 +103,8 @@ def test_the_prefix_cache_keeps_adapters_and_the_base_apart(lora_llm: LLM, adapt
     lora_llm.engine.kv.reset_prefix_cache()
 
     def run(request: LoRARequest | None, **kw: object) -> tuple[list[int], int]:
-        (out,) = lora_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, **kw), lora_request=request)  # fmt: skip
+        params = SamplingParams(temperature=0.0, max_tokens=4, **kw)  # type: ignore[arg-type]
+        (out,) = lora_llm.generate([prompt], params, lora_request=request)
         return out.outputs[0].token_ids, out.num_cached_tokens
 
     # An adapter's prefill that scores the prompt first: its blocks are cached under its own

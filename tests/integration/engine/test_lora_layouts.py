@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from loras import write_peft_adapter
 from tinymodels import build_hf_model, hf_greedy

@@ -12,6 +12,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from fleetllm.engine.config import ModelConfig
+from fleetllm.engine.lora_adapter import module_shape
+
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -45,35 +48,18 @@ def write_peft_adapter(
     return model.merge_and_unload().eval()
 
 
-def module_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """(in, out) of each projection of a Hugging Face config."""
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or h // heads
-    q, kv = heads * head_dim, cfg.get("num_key_value_heads", heads) * head_dim
-    return {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, inter),
-        "up_proj": (h, inter),
-        "down_proj": (inter, h),
-    }
-
-
 def adapter_tensors(
     cfg: dict[str, Any], r: int, modules: tuple[str, ...] = ALL_MODULES, seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """Random lora_A/lora_B tensors of every layer, named as PEFT names them."""
     g = torch.Generator().manual_seed(seed)
-    shapes = module_shapes(cfg)
+    model = ModelConfig.from_dict(cfg)
     tensors = {}
     for layer in range(cfg["num_hidden_layers"]):
         for module in modules:
             block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            inputs, outputs = shapes[module]
+            inputs, outputs = module_shape(model, module)
             tensors[f"{prefix}.lora_A.weight"] = torch.randn((r, inputs), generator=g)
             tensors[f"{prefix}.lora_B.weight"] = torch.randn((outputs, r), generator=g)
     return tensors

@@ -9,12 +9,9 @@ from pathlib import Path
 
 import torch
 from loras import write_peft_adapter
-from tinymodels import build_hf_model, hf_greedy
+from tinymodels import arch_of, build_hf_model, hf_greedy
 
-from fleetllm.api.catalog import ModelArch
 from fleetllm.engine import sizing
-from fleetllm.engine.config import ModelConfig
-from fleetllm.engine.cuda_graphs import DecodeGraphs
 from fleetllm.engine.llm import LLM, LoRARequest
 from fleetllm.engine.quantization import QuantizedMatrix
 from fleetllm.engine.sampling_params import SamplingParams
@@ -47,22 +44,6 @@ def mixed_run(llm: LLM, requests: list[LoRARequest]) -> list[list[list[int]]]:
     loras = [c for c in choices for _ in PROMPTS]
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params(), lora_request=loras)]
     return [outs[i * len(PROMPTS) : (i + 1) * len(PROMPTS)] for i in range(len(choices))]
-
-
-def arch_of(model_dir: Path) -> ModelArch:
-    cfg = ModelConfig.from_pretrained(model_dir)
-    return ModelArch(
-        name="tiny",
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        vocab_size=cfg.vocab_size,
-        max_position=cfg.max_position_embeddings,
-        intermediate_size=cfg.intermediate_size,
-        tied_embeddings=cfg.tie_word_embeddings,
-    )
 
 
 def test_tensor_parallel_ranks_shard_the_adapters_and_match_hf(tmp_path: Path) -> None:
@@ -154,7 +135,7 @@ def test_int8_base_weights_with_adapters_match_the_merged_dequantized_model(
 
 
 def test_graph_runner_replays_base_decodes_and_adapter_steps_run_eagerly(
-    tiny_model, tmp_path: Path
+    tiny_model, eager_graphs, tmp_path: Path
 ) -> None:
     path, hf = tiny_model("llama-gqa-tied")
     adapters = make_adapters(hf, tmp_path)
@@ -162,25 +143,7 @@ def test_graph_runner_replays_base_decodes_and_adapter_steps_run_eagerly(
         str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
         enable_lora=True, max_loras=2, max_lora_rank=8, num_threads=1,
     )  # fmt: skip
-    runner = llm.engine.runner
-    graphs = DecodeGraphs(
-        runner.model,
-        runner.kv_caches,
-        runner.block_size,
-        runner.block_tables.width,
-        sizes=[1, 2, 4],
-        device=torch.device("cpu"),
-        capture=False,  # the same static-buffer forward, run eagerly
-    )
-    replayed: list[int] = []
-    original = graphs.run
-
-    def run(*args: list) -> torch.Tensor:
-        replayed.append(len(args[0]))
-        return original(*args)
-
-    graphs.run = run  # type: ignore[method-assign]
-    runner.graphs = graphs
+    replayed = eager_graphs(llm.engine.runner)
     base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params())]
     assert replayed == [3] * (NEW_TOKENS - 1)  # every base decode step through the graphs
     replayed.clear()

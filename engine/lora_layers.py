@@ -10,8 +10,11 @@ operations per projection and slot, which is what matters on small models. A ste
 rows of several adapters and of the base model: before the forward the runner sets
 `LoRAState.batch`, the rows of each slot in use, and each projection then computes, per slot in
 use (at most `max_loras`, never per request), `y[rows] += (x[rows] @ A^T) @ B^T`; base rows are
-left exactly as the base computed them. A step without adapter rows runs the base layers alone
-(and so can replay a CUDA graph captured without LoRA).
+left exactly as the base computed them. A step without adapter rows runs the base layers alone.
+
+A CUDA graph replays fixed shapes, so a decode graph runs every slot over every row instead,
+each masked to its own rows (`LoRABatch.masks`, a static buffer the graph runner fills):
+`y += ((x * mask_s) @ A_s^T) @ B_s^T`; rows of other slots and of the base add exact zeros.
 
 Tensor parallelism shards the adapter as the base layer is sharded: a column-parallel layer
 (q/k/v, gate/up: output rows split) takes its rows of B and all of A; a row-parallel one (o,
@@ -42,9 +45,11 @@ LORA_LAYERS = (
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """The rows (token indices of the step) of each device slot in use; None: every row."""
+    """The rows (token indices of the step) of each device slot in use (None: every row); or,
+    in a CUDA graph, `masks` [max_loras, rows, 1]: 1 where a row belongs to the slot."""
 
     groups: list[tuple[int, torch.Tensor | None]]
+    masks: torch.Tensor | None = None
 
 
 def lora_batch(slots: list[int], query_lens: list[int], device: torch.device) -> LoRABatch | None:
@@ -69,9 +74,10 @@ class LoRAState:
     """A rank's slots: the wrapped layers, the adapter key each slot holds, and the batch of
     the step being run."""
 
-    def __init__(self, max_loras: int, max_rank: int) -> None:
+    def __init__(self, max_loras: int, max_rank: int, dtype: torch.dtype) -> None:
         self.max_loras = max_loras
         self.max_rank = max_rank
+        self.dtype = dtype
         self.layers: list[tuple[int, LoRALinear]] = []  # (decoder layer index, layer)
         self.keys: list[bytes | None] = [None] * max_loras
         self.batch: LoRABatch | None = None
@@ -147,6 +153,10 @@ class LoRALinear(nn.Module):
         batch = self.state.batch
         if batch is None:
             return y
+        if batch.masks is not None:
+            for slot, mask in enumerate(batch.masks):
+                y.addmm_((x * mask) @ self.a[slot].t(), self.b[slot].t())
+            return y
         for slot, rows in batch.groups:
             if rows is None:
                 y.addmm_(x @ self.a[slot].t(), self.b[slot].t())
@@ -163,7 +173,7 @@ def add_lora_layers(
     also kept as `model.lora`."""
     cfg, tp = model.config, model.tp
     device = model.model.rotary.cos.device
-    state = LoRAState(max_loras, max_rank)
+    state = LoRAState(max_loras, max_rank, dtype)
     for index, decoder in enumerate(model.model.layers):
         for path, modules, row_parallel in LORA_LAYERS:
             block_name, name = path.split(".")

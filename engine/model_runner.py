@@ -346,7 +346,6 @@ class ModelRunner:
         graphs = self.graphs
         if (
             graphs is not None
-            and step.lora_slots is None  # the graphs were captured without LoRA
             and not step.prefills
             and len(step.decodes) <= graphs.max_size
             and step.logits_indices == list(range(len(step.decodes)))
@@ -360,6 +359,7 @@ class ModelRunner:
                 step.positions,
                 [tables.row(rid) for rid, _ in step.decodes],
                 [context for _, context in step.decodes],
+                step.lora_slots,
             )
         inp = self.prepare(step)
         if step.lora_slots is not None:

@@ -91,7 +91,7 @@ def no_leaked_blocks(_track_engines: None) -> Iterator[None]:
 @pytest.fixture
 def eager_graphs() -> Callable[[ModelRunner], list[int]]:
     """Puts the GPU path on an engine's runner, as the CPU can run it: the Triton attention
-    kernels (in Triton's interpreter) and the CUDA-graph runner (buckets 1, 2, 4), its padded
+    kernels (in Triton's interpreter) and the CUDA-graph runner (buckets 1, 2, 4, 8), its padded
     static-buffer forward run eagerly (capture=False); returns the list of the decode batch
     sizes the graph runner will run, in order."""
 
@@ -105,7 +105,7 @@ def eager_graphs() -> Callable[[ModelRunner], list[int]]:
             runner.kv_caches,  # type: ignore[arg-type]  # plain tensors: no quantized cache
             runner.block_size,
             runner.block_tables.width,
-            sizes=[1, 2, 4],
+            sizes=[1, 2, 4, 8],
             device=torch.device("cpu"),
             capture=False,
         )

@@ -134,24 +134,35 @@ def test_int8_base_weights_with_adapters_match_the_merged_dequantized_model(
         assert outputs == [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
 
 
-def test_graph_runner_replays_base_decodes_and_adapter_steps_run_eagerly(
+def test_graph_runner_replays_decodes_of_the_base_and_of_adapters_alike(
     tiny_model, eager_graphs, tmp_path: Path
 ) -> None:
     path, hf = tiny_model("llama-gqa-tied")
-    adapters = make_adapters(hf, tmp_path)
+    (a, merged_a), (b, merged_b) = make_adapters(hf, tmp_path)
     llm = LLM(
         str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
         enable_lora=True, max_loras=2, max_lora_rank=8, num_threads=1,
     )  # fmt: skip
     replayed = eager_graphs(llm.engine.runner)
-    base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params())]
-    assert replayed == [3] * (NEW_TOKENS - 1)  # every base decode step through the graphs
-    replayed.clear()
-    request, merged = adapters[0]
-    mixed = llm.generate(PROMPTS * 2, params(), lora_request=[None] * 3 + [request] * 3)
-    assert replayed == []  # adapter rows in every step: none replayed
-    assert [o.outputs[0].token_ids for o in mixed[:3]] == base
-    assert base == [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
-    assert [o.outputs[0].token_ids for o in mixed[3:]] == [
-        hf_greedy(merged, p, NEW_TOKENS) for p in PROMPTS
-    ]
+    graphs = llm.engine.runner.graphs
+    with_lora: list[bool] = []  # which graph of the bucket each decode step ran
+    forward = graphs._forward
+
+    def record(size: int, lora: bool) -> torch.Tensor:
+        with_lora.append(lora)
+        return forward(size, lora)
+
+    graphs._forward = record  # type: ignore[method-assign]
+    prompts = PROMPTS[:2]
+    mixed = llm.generate(prompts * 3, params(), lora_request=[None] * 2 + [a] * 2 + [b] * 2)
+    # Every decode step, base and adapter rows together, through the graphs' static buffers
+    # (the slots as masks), padded 6 -> 8.
+    assert replayed == [6] * (NEW_TOKENS - 1) and all(with_lora)
+    assert graphs.lora_masks[:, 6:].eq(0).all()  # the padding rows
+    got = [o.outputs[0].token_ids for o in mixed]
+    for i, ref in enumerate((hf, merged_a, merged_b)):
+        assert got[2 * i : 2 * i + 2] == [hf_greedy(ref, p, NEW_TOKENS) for p in prompts]
+    with_lora.clear()
+    base = llm.generate(prompts, params())  # the base model alone: the graphs without LoRA
+    assert with_lora == [False] * (NEW_TOKENS - 1)
+    assert [o.outputs[0].token_ids for o in base] == got[:2]

@@ -7,6 +7,9 @@ envelope (`fleetllm.errors`), from one handler per exception kind. /openapi.json
 route's request body with the protocol models' JSON schemas (the routes read the raw body
 themselves, for the size limit and vLLM's error wording).
 
+With `--enable-lora` the adapters are served by name (serving_lora), and vLLM's runtime routes
+`/v1/load_lora_adapter` and `/v1/unload_lora_adapter` exist where the environment allows them.
+
 /health answers 503 while the model loads, after the engine failed, while draining, and while
 the engine thread has been in one step for longer than `step_timeout` (a watchdog for a step
 that hangs; it answers 200 again if the step ends). The runner owns the process lifecycle: it

@@ -238,7 +238,7 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         if lora is not None:
-            self.lora_slots.check(lora)
+            self.lora_slots.check(lora, self.model_config)
         text, token_ids = self._tokenize_prompt(prompt)
         req = Request(
             request_id, text, token_ids, params, self.eos_token_ids, arrival_time, cache_salt, lora

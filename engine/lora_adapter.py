@@ -91,6 +91,8 @@ class LoRAAdapter:
     rank: int
     """The largest rank of its modules."""
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    model: ModelConfig = field(repr=False)
+    """The model it was checked against: an engine runs only adapters of its own model."""
 
     @property
     def nbytes(self) -> int:
@@ -154,7 +156,7 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoRAA
     weights = _check_tensors(tensors, cfg, ranks)
     key = hashlib.sha256(b"fleetllm-lora\0" + hashlib.sha256(config_bytes).digest() + raw)
     rank = max(a.shape[0] for a, _ in weights.values())
-    return LoRAAdapter(name, str(folder), key.digest(), rank, weights)
+    return LoRAAdapter(name, str(folder), key.digest(), rank, weights, cfg)
 
 
 def _read_file(path: Path, limit: int) -> bytes:

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.lora_adapter import LoRAAdapter
 
 if TYPE_CHECKING:
@@ -32,10 +33,13 @@ class LoRASlots:
         self._idle: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))
         self._loads: dict[int, LoRAAdapter] = {}
 
-    def check(self, adapter: LoRAAdapter | None = None) -> None:
-        """Refuse LoRA when it is off, and an adapter over the largest rank."""
+    def check(self, adapter: LoRAAdapter | None = None, model: ModelConfig | None = None) -> None:
+        """Refuse LoRA when it is off, and an adapter over the largest rank or read for
+        another model than `model` (its tensors would not fit the slots)."""
         if not self.max_loras:
             raise ValueError("LoRA is not enabled: start the engine with --enable-lora")
+        if adapter is not None and adapter.model != model:
+            raise ValueError(f"LoRA adapter {adapter.name!r} was read for another model")
         if adapter is not None and adapter.rank > self.max_rank:
             raise ValueError(
                 f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, over max_lora_rank "

@@ -4,19 +4,28 @@ them, and the scheduler makes a request wait for a slot while the requests behin
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetllm.engine.block_manager import KVCacheManager, root_hash
+from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.lora_adapter import LoRAAdapter
 from fleetllm.engine.lora_slots import LoRASlots
 from fleetllm.engine.request import Request
 from fleetllm.engine.sampling_params import SamplingParams
 from fleetllm.engine.scheduler import Scheduler, SchedulerOutput
 
+MODEL = ModelConfig.from_dict(
+    {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+     "num_attention_heads": 4, "vocab_size": 64}
+)  # fmt: skip
 
-def adapter(i: int) -> LoRAAdapter:
-    return LoRAAdapter(f"a{i}", f"/adapters/{i}", bytes([i]) * 32, 8, {})
+
+def adapter(i: int, model: ModelConfig = MODEL, rank: int = 8) -> LoRAAdapter:
+    return LoRAAdapter(f"a{i}", f"/adapters/{i}", bytes([i]) * 32, rank, {}, model)
 
 
 @settings(max_examples=300, deadline=None)
@@ -124,3 +133,15 @@ def test_adapters_and_salts_root_separate_chains() -> None:
     roots = {root_hash(salt, key) for salt in (None, "s", "t") for key in keys}
     assert len(roots) == 9
     assert root_hash() == root_hash(None, None)
+
+
+def test_adapters_of_another_model_over_the_rank_or_without_lora_are_refused() -> None:
+    slots = LoRASlots(2, 8)
+    slots.check(adapter(1), MODEL)
+    other = dataclasses.replace(MODEL, hidden_size=64)
+    with pytest.raises(ValueError, match="'a1' was read for another model"):
+        slots.check(adapter(1, other), MODEL)
+    with pytest.raises(ValueError, match="has rank 16, over max_lora_rank 8"):
+        slots.check(adapter(1, rank=16), MODEL)
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        LoRASlots(0, 8).check(adapter(1), MODEL)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from fleetllm.engine.engine import EngineStats, LLMEngine
 from fleetllm.engine.kv_publisher import KVEventPublisher
+from fleetllm.engine.lora_adapter import LoRAAdapter
 from fleetllm.engine.request import RequestFailedError, RequestOutput, merge_deltas
 from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -56,6 +57,7 @@ class EngineRequest:
     params: SamplingParams
     arrival_time: float
     cache_salt: str | None = None
+    lora: LoRAAdapter | None = None
 
 
 class RequestStream:
@@ -359,6 +361,7 @@ class AsyncEngine:
                     req.params,
                     req.arrival_time,
                     cache_salt=req.cache_salt,
+                    lora=req.lora,
                 )
                 added.append(req.request_id)
         except Exception as exc:

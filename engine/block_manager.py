@@ -4,10 +4,10 @@ Pure Python, no tensors: the model runner owns the cache tensors, this module de
 blocks each request's tokens live in.
 
 Prefix caching: a full block is cached under its chained key (`fleetllm.block_hash`: the
-parent's key and its tokens, from a root that holds the request's `cache_salt`), which the
-router computes too. Each full block is hashed once, when the request's tokens first cover
-it, and registered in the cache once, when it is first fully computed; per-step work
-therefore does not grow with a request's length.
+parent's key and its tokens, from a root that holds the request's `cache_salt` and LoRA
+adapter), which the router computes too. Each full block is hashed once, when the request's
+tokens first cover it, and registered in the cache once, when it is first fully computed;
+per-step work therefore does not grow with a request's length.
 
 Blocks whose reference count drops to zero stay in the cache and sit in a free queue in LRU
 order; they are evicted (their hash forgotten) only when an allocation needs them.
@@ -134,6 +134,7 @@ class BlockPool:
 class _RequestBlocks:
     root: BlockHash = field(default_factory=root_hash)
     cache_salt: str | None = None
+    lora_name: str | None = None  # the adapter's, for the KV events
     blocks: list[Block] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)  # the ids of `blocks`
     hashes: list[BlockHash] = field(default_factory=list)  # of the request's full blocks
@@ -182,17 +183,25 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(
-        self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora_key: bytes | None = None,
+        lora_name: str | None = None,
     ) -> list[Block]:
         """Cached blocks covering the longest cached prefix of `token_ids` (among blocks
-        cached under the same `cache_salt`).
+        cached under the same `cache_salt` and LoRA adapter). A request's first call also
+        fixes the root its blocks are cached under.
 
         The last token is never served from the cache: the model must compute it to produce
         the next token's logits.
         """
         entry = self._requests.get(request_id)
         if entry is None:
-            entry = self._requests[request_id] = _RequestBlocks(root_hash(cache_salt), cache_salt)
+            entry = self._requests[request_id] = _RequestBlocks(
+                root_hash(cache_salt, lora_key), cache_salt, lora_name
+            )
         if not self.enable_prefix_caching:
             return []
         usable = (len(token_ids) - 1) // self.block_size
@@ -272,7 +281,7 @@ class KVCacheManager:
                 block_size=bs,
                 lora_id=None,
                 medium=MEDIUM_GPU,
-                lora_name=None,
+                lora_name=entry.lora_name,
                 extra_keys=[(entry.cache_salt,), *[None] * (end - 1)] if salted else None,
             )
         )

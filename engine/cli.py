@@ -7,6 +7,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fleetllm.engine.config import EngineConfig
 
 from fleetllm.engine.tool_parsers import PARSERS
 
@@ -139,6 +143,7 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
     )
+    _register_lora(p)
     p.add_argument(
         "--chat-template",
         default=None,
@@ -219,6 +224,59 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_serve)
 
 
+def _register_lora(p: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA flags, and the folders runtime loads may read."""
+    p.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters beside the base model"
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help='adapters to serve from the start: name=path, or \'{"name": ..., "path": ..., '
+        '"base_model_name": ...}\'',
+    )
+    p.add_argument("--max-loras", type=int, default=1, help="adapters in one batch (device slots)")
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="the largest adapter rank (1, 8, 16, 32, 64, 128, 256, 320 or 512; default 16)",
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters whose weights stay in CPU memory (default: --max-loras)",
+    )
+    p.add_argument(
+        "--allowed-lora-paths",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="folders /v1/load_lora_adapter may load adapters from (default: any)",
+    )
+
+
+def _lora_settings(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
+    """The server's LoRA settings from the flags (`config` validated already)."""
+    from fleetllm.engine.serving_lora import parse_lora_module
+
+    if not args.enable_lora:
+        if args.lora_modules or args.allowed_lora_paths:
+            raise ValueError("--lora-modules and --allowed-lora-paths need --enable-lora")
+        return {}
+    roots = None
+    if args.allowed_lora_paths is not None:
+        roots = [str(Path(r).expanduser().resolve()) for r in args.allowed_lora_paths]
+    return {
+        "lora_modules": [parse_lora_module(m) for m in args.lora_modules or ()],
+        "max_cpu_loras": config.max_cpu_loras,
+        "allowed_lora_paths": roots,
+    }
+
+
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
@@ -265,9 +323,14 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=args.speculative_config,
         kv_events_config=args.kv_events_config,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
     # Fail fast, before binding, on what can be checked without loading the weights.
     config.validate()
+    lora = _lora_settings(args, config)
     model_root = str(resolve_model(args.model))
     check_tensor_parallel(ModelConfig.from_pretrained(Path(model_root)), args.tensor_parallel_size)
     device = torch.device(config.device)
@@ -285,6 +348,7 @@ def _serve(args: argparse.Namespace) -> int:
         step_timeout=args.step_timeout,
         chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
         tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
+        **lora,
     )
     return run_server(
         config,

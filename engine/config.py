@@ -199,6 +199,9 @@ def _device_has_bf16(device: torch.device) -> bool:
     return True
 
 
+# vLLM's accepted values of max_lora_rank.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
 QUANTIZATION_METHODS = ("int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 SPECULATIVE_METHODS = ("ngram",)
@@ -310,6 +313,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model dtype), int8, or fp8 on such GPUs
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = field(default=None)
     kv_events_config: KVEventsConfig | str | None = None  # vLLM's --kv-events-config JSON
+    # LoRA adapters (vLLM's names and defaults): device slots, the largest rank, and how many
+    # adapters' weights stay in CPU memory (default: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @property
     def publishes_kv_events(self) -> bool:
@@ -355,3 +364,19 @@ class EngineConfig:
             self.kv_events_config = parse_kv_events_config(self.kv_events_config)
         if self.publishes_kv_events and not self.enable_prefix_caching:
             raise ValueError("KV cache events describe the prefix cache: enable prefix caching")
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(
+                f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}, got "
+                f"{self.max_lora_rank}"
+            )
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )

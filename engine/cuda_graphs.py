@@ -9,9 +9,12 @@ decode kernel makes that row zeros) writing its K/V to the null block's first sl
 nothing reads as context. Prefill steps and batches above the largest bucket run eagerly.
 
 The attention in a graph must not depend on per-step shapes: the decode path of the Triton
-backend, which reads full-width block tables and context lengths. `capture=False` runs the
-same padded static-buffer forward eagerly, which is how the bucket and padding logic is
-tested on the CPU.
+backend, which reads full-width block tables and context lengths. With LoRA, each row's adapter
+slot lives in a static buffer too (`lora_masks`): a second graph per bucket runs every slot's
+delta over every row, masked to its own rows, for the steps with adapter rows; steps of the base
+model alone replay the first, which has no LoRA in it.
+`capture=False` runs the same padded static-buffer forward eagerly, which is how the bucket and
+padding logic is tested on the CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from fleetllm.engine.attention import AttentionMetadata
 from fleetllm.engine.block_manager import NULL_BLOCK
+from fleetllm.engine.lora_layers import LoRABatch
 from fleetllm.engine.model import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -66,12 +70,20 @@ class DecodeGraphs:
         self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
         self.tables = torch.full((n, table_width), NULL_BLOCK, dtype=torch.long, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.long, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        lora = model.lora
+        self.lora_masks = (
+            None
+            if lora is None
+            else torch.zeros(lora.max_loras, n, 1, dtype=lora.dtype, device=device)
+        )
+        # One graph per (bucket, with LoRA): the LoRA variant only where the model has LoRA.
+        self.variants = (False, True) if model.lora is not None else (False,)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         if capture:
             self._capture()
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int, with_lora: bool) -> torch.Tensor:
         md = AttentionMetadata(
             block_size=self.block_size,
             slot_mapping=self.slot_mapping[:size],
@@ -81,24 +93,32 @@ class DecodeGraphs:
             decode_mask=None,
             prefills=[],
         )
-        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, md)
+        lora = self.model.lora if with_lora else None
+        if lora is not None:
+            assert self.lora_masks is not None
+            lora.batch = LoRABatch([], masks=self.lora_masks[:, :size])
+        try:
+            hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, md)
+        finally:
+            if lora is not None:
+                lora.batch = None
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         # Largest first: the smaller graphs then reuse its memory from the shared pool.
-        for size in reversed(self.sizes):
+        for key in [(size, v) for size in reversed(self.sizes) for v in self.variants]:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: kernels compiled and autotuned outside capture
-                    self._forward(size)
+                    self._forward(*key)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
-            self.graphs[size] = graph
+                self.logits[key] = self._forward(*key)
+            self.graphs[key] = graph
         torch.cuda.synchronize()
         log.info("captured decode graphs", extra={"batch_sizes": self.sizes})
 
@@ -108,9 +128,11 @@ class DecodeGraphs:
         positions: list[int],
         tables: list[torch.Tensor],
         context_lens: list[int],
+        lora_slots: list[int] | None = None,
     ) -> torch.Tensor:
         """Float32 logits [n, vocab] of n decodes (n <= max_size): token, its position, the
-        sequence's block table (a CPU row of block ids) and context length (with the token)."""
+        sequence's block table (a CPU row of block ids) and context length (with the token),
+        and its LoRA slot (-1 or None: the base model)."""
         n = len(input_ids)
         size = bucket_for(n, self.sizes)
         assert size is not None, f"{n} decodes exceed the largest bucket {self.max_size}"
@@ -129,11 +151,20 @@ class DecodeGraphs:
         if pad:
             rows = torch.cat([rows, torch.full((pad, width), NULL_BLOCK, dtype=torch.long)])
         self.tables[:size].copy_(rows, non_blocking=True)
-        graph = self.graphs.get(size)
+        with_lora = lora_slots is not None and any(slot >= 0 for slot in lora_slots)
+        if with_lora:
+            assert self.lora_masks is not None and lora_slots is not None
+            masks = torch.zeros(self.lora_masks.shape[0], size, 1, dtype=self.lora_masks.dtype)
+            for row, slot in enumerate(lora_slots):
+                if slot >= 0:
+                    masks[slot, row] = 1
+            self.lora_masks[:, :size].copy_(masks, non_blocking=True)
+        key = (size, with_lora)
+        graph = self.graphs.get(key)
         if graph is None:
-            return self._forward(size)[:n]
+            return self._forward(*key)[:n]
         graph.replay()
-        return self.logits[size][:n]
+        return self.logits[key][:n]
 
     def _fill(self, buffer: torch.Tensor, values: list[int]) -> None:
         buffer[: len(values)].copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)

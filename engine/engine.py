@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fleetllm.engine import kv_cache, prompt_logprobs, sizing
+from fleetllm.engine import capacity, kv_cache, prompt_logprobs
 from fleetllm.engine.block_manager import KVCacheManager
 from fleetllm.engine.config import (
     EngineConfig,
@@ -28,6 +28,8 @@ from fleetllm.engine.config import (
 )
 from fleetllm.engine.executor import LocalExecutor, MultiprocExecutor, WorkerFailedError
 from fleetllm.engine.grammar import GrammarCompiler
+from fleetllm.engine.lora_adapter import LoRAAdapter, load_adapter
+from fleetllm.engine.lora_slots import LoRASlots, adapter_names
 from fleetllm.engine.model import LlamaForCausalLM
 from fleetllm.engine.model_files import resolve_model
 from fleetllm.engine.model_runner import ModelRunner, PromptRows, StepBuilder
@@ -71,6 +73,9 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     attention: dict[str, str] = field(default_factory=dict)  # by phase; "fallback": why
+    max_loras: int = 0  # LoRA slots (0: LoRA off)
+    lora_running: list[str] = field(default_factory=list)  # adapters of running requests
+    lora_waiting: list[str] = field(default_factory=list)  # adapters of waiting requests
 
 
 @dataclass
@@ -113,6 +118,7 @@ class LLMEngine:
         check_quantization(config.quantization, self.device)
         kv_cache.check_kv_cache_dtype(config.kv_cache_dtype, self.device)
         if config.num_kv_blocks is not None:
+            # Before any worker starts.
             check_kv_pool(config.num_kv_blocks, config.block_size, self.max_model_len)
         worker_spec = WorkerSpec(
             model_dir=str(self.model_dir),
@@ -125,6 +131,8 @@ class LLMEngine:
             kv_cache_dtype=config.kv_cache_dtype,
             load_format=config.load_format,
             enforce_eager=config.enforce_eager,
+            max_loras=config.max_loras if config.enable_lora else 0,
+            max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
             # Ranks share the machine's cores unless told otherwise.
             num_threads=config.num_threads or max(1, (os.cpu_count() or 1) // tp),
         )
@@ -132,7 +140,13 @@ class LLMEngine:
             LocalExecutor(worker_spec) if tp == 1 else MultiprocExecutor(worker_spec, tp)
         )
         try:
-            num_blocks = config.num_kv_blocks or self._blocks_from_budget()
+            num_blocks = config.num_kv_blocks or capacity.blocks_from_budget(
+                self.executor.free_memory_per_rank(),
+                config,
+                cfg,
+                self.max_model_len,
+                self.dtype.itemsize,
+            )
             check_kv_pool(num_blocks, config.block_size, self.max_model_len)
             self.kv_cache_bytes = self.executor.allocate_kv(num_blocks)  # per rank
         except BaseException:
@@ -145,8 +159,11 @@ class LLMEngine:
         spec = config.speculative_config
         assert spec is None or isinstance(spec, SpeculativeConfig)  # parsed by validate()
         proposer = NgramProposer(spec, self.max_model_len).propose if spec else None
+        self.lora_slots = LoRASlots(
+            config.max_loras if config.enable_lora else 0, config.max_lora_rank
+        )
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, proposer
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, proposer, self.lora_slots
         )
         # Sampling runs where the logits arrive: on the model's device in this process, on
         # the CPU when tensor-parallel ranks send them. Unseeded draws come from there; seeded
@@ -193,6 +210,11 @@ class LLMEngine:
         """Bytes of model weights held by each tensor-parallel rank."""
         return self.executor.weight_bytes
 
+    @property
+    def lora_bytes(self) -> list[int]:
+        """Bytes of the LoRA slots held by each tensor-parallel rank."""
+        return self.executor.lora_bytes
+
     def check_health(self) -> None:
         """Raise if the engine can no longer run a step (a tensor-parallel rank died)."""
         self.executor.check_health()
@@ -210,10 +232,11 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> Request:
         """Queue a request. Every way in which a request can be invalid raises ValueError here,
         before it joins a batch; `cache_salt` keeps its prefix-cache blocks apart from those of
-        requests with another salt (or none)."""
+        requests with another salt (or none); `lora`: the adapter it runs with (`load_lora`)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.n != 1:
@@ -224,9 +247,11 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
+        if lora is not None:
+            self.lora_slots.check(lora, self.model_config)
         text, token_ids = self._tokenize_prompt(prompt)
         req = Request(
-            request_id, text, token_ids, params, self.eos_token_ids, arrival_time, cache_salt
+            request_id, text, token_ids, params, self.eos_token_ids, arrival_time, cache_salt, lora
         )
         if params.structured_outputs is not None:
             req.grammar = self.grammars.grammar(params.structured_outputs)
@@ -258,6 +283,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def load_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Read and check the PEFT adapter in folder `path` for this model. It touches no
+        engine state: call it from any thread, off the step loop."""
+        self.lora_slots.check()
+        return load_adapter(name, path, self.model_config, self.lora_slots.max_rank)
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -364,9 +395,12 @@ class LLMEngine:
         tensor-parallel rank is no request's fault: it escapes, failing the engine. The
         logits: the sampled rows, then the prompt rows."""
         fresh = self.kv.take_fresh_blocks()
+        loads = self.lora_slots.pending_loads()
         try:
-            step, sampled, prompt_rows = self.step_builder.build(batch, fresh)
-            return self.executor.execute(step), sampled, prompt_rows
+            step, sampled, prompt_rows = self.step_builder.build(batch, fresh, loads)
+            logits = self.executor.execute(step)
+            self.lora_slots.loaded(loads)
+            return logits, sampled, prompt_rows
         except WorkerFailedError:
             raise
         except Exception as exc:
@@ -383,9 +417,10 @@ class LLMEngine:
         for s in batch:
             try:
                 # The blocks first used in this step are zeroed once, before any is written.
-                step, rows, prompts = self.step_builder.build([s], fresh)
+                step, rows, prompts = self.step_builder.build([s], fresh, loads)
                 fresh = range(0)
                 logits = self.executor.execute(step)
+                self.lora_slots.loaded(loads)
             except WorkerFailedError:
                 raise
             except Exception as exc:
@@ -582,20 +617,7 @@ class LLMEngine:
             spec_decode_num_draft_tokens=self._spec_draft_tokens,
             spec_decode_num_accepted_tokens=self._spec_accepted_tokens,
             attention=dict(self.executor.attention),
+            max_loras=self.lora_slots.max_loras,
+            lora_running=adapter_names(self.scheduler.running),
+            lora_waiting=adapter_names(self.scheduler.waiting),
         )
-
-    def _blocks_from_budget(self) -> int:
-        free = self.executor.free_memory_per_rank()
-        cfg, tp = self.model_config, self.config.tensor_parallel_size
-        per_token = sizing.kv_bytes_per_token(
-            num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads // tp,
-            head_dim=cfg.head_dim,
-            kv_cache_dtype=self.config.kv_cache_dtype,
-            dtype_bytes=self.dtype.itemsize,
-        )
-        per_block = self.config.block_size * per_token
-        budget_blocks = int(free * self.config.kv_cache_memory_fraction) // per_block
-        # Never more than every running sequence at full length could use.
-        needed = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
-        return max(1, min(budget_blocks, needed))

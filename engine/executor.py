@@ -32,6 +32,7 @@ from fleetllm.engine.worker import (
     WorkerSpec,
     free_memory_bytes,
     load_shard,
+    lora_bytes,
     receive,
     send,
     worker_main,
@@ -54,6 +55,7 @@ class LocalExecutor:
         self.device = torch.device(spec.device)
         self.model = load_shard(spec, TensorParallel(), self.device)
         self.weight_bytes = [weight_bytes(self.model)]
+        self.lora_bytes = [lora_bytes(self.model)]
         self.runner: ModelRunner | None = None
 
     def free_memory_per_rank(self) -> int:
@@ -146,6 +148,7 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self.weight_bytes = [info["weight_bytes"] for info in loaded]
+        self.lora_bytes = [info["lora_bytes"] for info in loaded]
         self._free_memory = min(info["free_memory"] for info in loaded)
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
         self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)

@@ -5,18 +5,29 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 
 from fleetllm.engine.config import EngineConfig, SpeculativeConfig
 from fleetllm.engine.engine import LLMEngine
+from fleetllm.engine.lora_adapter import LoRAAdapter
 from fleetllm.engine.request import RequestOutput
 from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from fleetllm.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter for `LLM.generate`, by vLLM's names: a name, an id, and its folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
 
 
 def child_params(params: SamplingParams) -> list[SamplingParams]:
@@ -51,6 +62,10 @@ class LLM:
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -73,9 +88,14 @@ class LLM:
                 quantization=quantization,
                 kv_cache_dtype=kv_cache_dtype,
                 speculative_config=speculative_config,
+                enable_lora=enable_lora,
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                max_cpu_loras=max_cpu_loras,
             )
         )
         self._ids = itertools.count()
+        self._loras: dict[LoRARequest, LoRAAdapter] = {}
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes now (they also stop when the LLM is collected
@@ -98,9 +118,17 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in the order of `prompts`."""
+        """Generate for every prompt; results come back in the order of `prompts`.
+        `lora_request`: the adapter of every prompt, or one per prompt (None: the base)."""
         prompt_list = _as_prompt_list(prompts)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [self._lora(lora_request)] * len(prompt_list)
+        else:
+            loras = [self._lora(r) for r in lora_request]
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompt_list)} prompts")
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -113,13 +141,13 @@ class LLM:
                 )
         parents: list[list[str]] = []
         try:
-            for prompt, params in zip(prompt_list, params_list, strict=True):
+            for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True):
                 ids = []
                 # Only the end result is wanted: no output is built before it.
                 final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 for child in child_params(final_only):
                     request_id = str(next(self._ids))
-                    self.engine.add_request(request_id, prompt, child)
+                    self.engine.add_request(request_id, prompt, child, lora=lora)
                     ids.append(request_id)
                 parents.append(ids)
             done = self._run(sum(len(ids) for ids in parents), use_tqdm)
@@ -129,6 +157,14 @@ class LLM:
                     self.engine.abort_request(request_id)
             raise
         return [_merge([done[i] for i in ids]) for ids in parents]
+
+    def _lora(self, request: LoRARequest | None) -> LoRAAdapter | None:
+        """The adapter's weights, read once per request object."""
+        if request is None:
+            return None
+        if request not in self._loras:
+            self._loras[request] = self.engine.load_lora(request.lora_name, request.lora_path)
+        return self._loras[request]
 
     def chat(
         self,

@@ -236,3 +236,20 @@ class _StatsCollector(Collector):
                     labels = [self.model_name, phase, s.attention[phase], fell_back]
                     attention.add_metric(labels, 1.0)
             yield attention
+        if s is not None and s.max_loras:
+            yield _lora_info(s)
+
+
+def _lora_info(s: EngineStats) -> GaugeMetricFamily:
+    """vLLM's `vllm:lora_requests_info`: the adapters of running and of waiting requests as
+    comma-separated names, and the slots; the value is when it was read (Unix seconds), so a
+    reader takes the newest series. vLLM keeps every label set it ever exported; here only the
+    current one is, which is also the newest, and the series stay bounded."""
+    info = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+    )
+    labels = [str(s.max_loras), ",".join(s.lora_waiting), ",".join(s.lora_running)]
+    info.add_metric(labels, time.time())
+    return info

@@ -15,6 +15,7 @@ share of the heads, the MLP and the vocabulary; the loader fills in the matching
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from fleetllm.engine.attention import AttentionMetadata, TorchPagedAttention
 from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.kv_cache import KVCache
 from fleetllm.engine.parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from fleetllm.engine.lora_layers import LoRAState
 
 
 class RMSNorm(nn.Module):
@@ -235,6 +239,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # The LoRA slots, when the projections are wrapped for adapters (lora_layers).
+        self.lora: LoRAState | None = None
 
     def forward(
         self,

@@ -27,6 +27,8 @@ from fleetllm.engine.block_manager import NULL_BLOCK, KVCacheManager
 from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from fleetllm.engine.kv_cache import KVCache
+from fleetllm.engine.lora_adapter import LoRAAdapter
+from fleetllm.engine.lora_layers import lora_batch
 from fleetllm.engine.model import LlamaForCausalLM
 from fleetllm.engine.request import Request
 from fleetllm.engine.scheduler import ScheduledRequest
@@ -48,6 +50,11 @@ class StepInput:
     table_updates: dict[str, tuple[int, list[int]]]
     logits_indices: list[int]  # rows whose logits the step returns
     fresh_blocks: tuple[int, int]  # [start, stop) of block ids used for the first time
+    # Each request's LoRA slot in request order (-1: the base model); None when no request of
+    # the step has an adapter.
+    lora_slots: list[int] | None = None
+    # Adapters to copy into slots before the step runs (slot -> adapter).
+    lora_loads: dict[int, LoRAAdapter] = field(default_factory=dict)
 
     @property
     def request_ids(self) -> list[str]:
@@ -79,12 +86,16 @@ class StepBuilder:
         self._sent: dict[str, list[int]] = {}  # request id -> the table as the ranks have it
 
     def build(
-        self, batch: list[ScheduledRequest], fresh_blocks: range
+        self,
+        batch: list[ScheduledRequest],
+        fresh_blocks: range,
+        lora_loads: dict[int, LoRAAdapter] | None = None,
     ) -> tuple[StepInput, list[ScheduledRequest], PromptRows]:
         """The step's input, the requests that sample, in the order of their logits rows
         (a request with draft tokens has one row per draft plus one), and the rows after
         those that score prompt tokens. `fresh_blocks`: the blocks to zero before the step
-        writes any (`KVCacheManager.take_fresh_blocks`)."""
+        writes any (`KVCacheManager.take_fresh_blocks`); `lora_loads`: adapters the ranks
+        copy into their slots first (`LoRASlots.pending_loads`)."""
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
         for s in batch:
@@ -126,7 +137,11 @@ class StepBuilder:
             table_updates=self._table_updates([s.request.request_id for s in batch]),
             logits_indices=logits_indices + prompt_indices,
             fresh_blocks=(fresh_blocks.start, fresh_blocks.stop),
+            lora_loads=lora_loads or {},
         )
+        slots = [s.request.lora_slot for s in decodes + prefills]
+        if any(slot is not None for slot in slots):
+            step.lora_slots = [-1 if slot is None else slot for slot in slots]
         return step, sampled, prompt_rows
 
     def _table_updates(self, request_ids: list[str]) -> dict[str, tuple[int, list[int]]]:
@@ -324,6 +339,10 @@ class ModelRunner:
         """Float32 logits [len(logits_indices), vocab]; None on tensor-parallel ranks other
         than 0."""
         self._zero_blocks(range(*step.fresh_blocks))
+        lora = self.model.lora
+        for slot, adapter in step.lora_loads.items():
+            assert lora is not None, "a LoRA load in a model without LoRA"
+            lora.load(slot, adapter)
         graphs = self.graphs
         if (
             graphs is not None
@@ -340,7 +359,16 @@ class ModelRunner:
                 step.positions,
                 [tables.row(rid) for rid, _ in step.decodes],
                 [context for _, context in step.decodes],
+                step.lora_slots,
             )
         inp = self.prepare(step)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
+        if step.lora_slots is not None:
+            assert lora is not None, "a LoRA step in a model without LoRA"
+            query_lens = [1] * len(step.decodes) + [qlen for _, _, qlen in step.prefills]
+            lora.batch = lora_batch(step.lora_slots, query_lens, self.device)
+        try:
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
+        finally:
+            if lora is not None:
+                lora.batch = None
         return self.model.compute_logits(hidden[inp.logits_indices])

@@ -15,6 +15,7 @@ from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from fleetllm.engine.grammar import Grammar
+    from fleetllm.engine.lora_adapter import LoRAAdapter
     from fleetllm.engine.sampler import TokenCounts
 
 
@@ -83,6 +84,7 @@ class Request:
         eos_token_ids: frozenset[int],
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -96,6 +98,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
         self.cache_salt = cache_salt  # prefix-cache blocks are shared only within one salt
+        self.lora = lora  # the adapter it runs with (None: the base model)
+        self.lora_slot: int | None = None  # its device slot while it runs
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.user_stop_token_ids = frozenset(params.stop_token_ids or ())
         # Tokens that end generation, and that min_tokens keeps from being sampled early.

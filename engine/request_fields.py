@@ -73,17 +73,9 @@ UNSERVED: Mapping[str, Unserved] = {
     "thinking_token_budget": Unserved(
         _is(-1), "this server has no reasoning parser to count thinking tokens"
     ),
-    "structured_outputs": Unserved(_empty, "structured outputs are not supported"),
-    "response_format": Unserved(
-        lambda v: v == {"type": "text"},
-        "only {'type': 'text'} is supported",
-        frozenset({COMPLETION}),
-    ),
     "prompt_embeds": Unserved(
         _empty, "prompt embeddings are not supported", frozenset({COMPLETION})
     ),
-    "tools": Unserved(_empty, "tool calling is not supported", _WITH_MESSAGES),
-    "tool_choice": Unserved(_is("none"), "tool calling is not supported", frozenset({CHAT})),
     # As vLLM refuses them unless started with --trust-request-chat-template: a template is
     # code run on the server.
     "chat_template": Unserved(
@@ -97,12 +89,11 @@ UNSERVED: Mapping[str, Unserved] = {
 
 
 # vLLM's fields that ask for nothing this server would do otherwise: an identity (as OpenAI's
-# `user` is), or a switch over output it never makes (no reasoning parser, no tool calls). Their
+# `user` is), or a switch over output it never makes (no reasoning parser). Their
 # type is checked; they are neither refused nor logged as unknown.
 WITHOUT_EFFECT: Mapping[str, tuple[type, frozenset[str]]] = {
     "session_id": (str, GENERATION),
     "include_reasoning": (bool, frozenset({CHAT})),
-    "parallel_tool_calls": (bool, frozenset({CHAT})),
 }
 
 

@@ -280,8 +280,9 @@ def _logprob_figures(
 
 def _exponential(noise: torch.Tensor, generator: torch.Generator) -> None:
     """Fill with Exp(1) draws from `generator`, wherever it lives: a seeded request's generator
-    is on the CPU, so its draws are the same on every device."""
-    if generator.device == noise.device:
+    is on the CPU, so its draws are the same on every device. (Device types are compared: a
+    generator made for `cuda` says `cuda`, its tensors `cuda:0`.)"""
+    if generator.device.type == noise.device.type:
         noise.exponential_(generator=generator)
     else:
         noise.copy_(torch.empty(noise.shape).exponential_(generator=generator))

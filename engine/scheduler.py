@@ -5,6 +5,10 @@ Every step has a token budget (`max_num_batched_tokens`) and a cap on running se
 token, an unfinished prefill its next chunk. Waiting requests then fill what is left, reusing
 cached prefix blocks. When the KV pool runs dry the most recently admitted request is preempted:
 its blocks are freed and it goes back to the front of the queue to be recomputed later.
+
+A request with a LoRA adapter also needs one of the `max_loras` device slots (`LoRASlots`) to
+run: it takes one when admitted and gives it back when it finishes or is preempted. While every
+slot is held by requests of other adapters it waits, and the requests behind it go first.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleetllm.engine.block_manager import KVCacheManager
+from fleetllm.engine.lora_slots import LoRASlots
 from fleetllm.engine.request import Request, RequestStatus
 
 
@@ -56,8 +61,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         proposer: Proposer | None = None,
+        lora_slots: LoRASlots | None = None,
     ) -> None:
         self.kv = kv
+        self.lora_slots = lora_slots or LoRASlots(0, 0)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.proposer = proposer
@@ -104,6 +111,7 @@ class Scheduler:
 
         # Requests preempted this step wait for the next one: admitting new work now would
         # only take back the blocks just freed.
+        no_slot: list[Request] = []  # passed over: every LoRA slot is held by other adapters
         while (
             not out.preempted
             and self.waiting
@@ -111,14 +119,25 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
-            cached = (
-                []
-                if req.needs_prompt_logprobs
-                else self.kv.find_cached_prefix(req.request_id, req.all_token_ids, req.cache_salt)
+            if not self._take_lora_slot(req):
+                no_slot.append(self.waiting.popleft())
+                continue
+            lora = req.lora
+            # Looked up even when unused: the first lookup fixes the root (salt, adapter)
+            # that the request's blocks are cached under.
+            cached = self.kv.find_cached_prefix(
+                req.request_id,
+                req.all_token_ids,
+                req.cache_salt,
+                lora.key if lora is not None else None,
+                lora.name if lora is not None else None,
             )
+            if req.needs_prompt_logprobs:
+                cached = []
             num_cached = len(cached) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate(req.request_id, num_cached + num_new, cached):
+                self._release_lora_slot(req)
                 break
             self.kv.record_prefix_lookup(req.num_tokens, num_cached)
             self.waiting.popleft()
@@ -130,6 +149,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest.of(req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(no_slot))
         return out
 
     def on_step_computed(self, out: SchedulerOutput) -> None:
@@ -151,17 +171,31 @@ class Scheduler:
         self.running = [r for r in self.running if id(r) not in done]
         for req in finished:
             self.kv.free(req.request_id)
+            self._release_lora_slot(req)
 
     def abort(self, request: Request) -> None:
-        """Drop a request wherever it is and free its blocks."""
+        """Drop a request wherever it is and free its blocks (and its LoRA slot)."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request.request_id)
+        self._release_lora_slot(request)
+
+    def _take_lora_slot(self, req: Request) -> bool:
+        if req.lora is None or req.lora_slot is not None:
+            return True
+        req.lora_slot = self.lora_slots.acquire(req.lora)
+        return req.lora_slot is not None
+
+    def _release_lora_slot(self, req: Request) -> None:
+        if req.lora_slot is not None:
+            self.lora_slots.release(req.lora_slot)
+            req.lora_slot = None
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
+        self._release_lora_slot(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)

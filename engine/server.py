@@ -7,6 +7,9 @@ envelope (`fleetllm.errors`), from one handler per exception kind. /openapi.json
 route's request body with the protocol models' JSON schemas (the routes read the raw body
 themselves, for the size limit and vLLM's error wording).
 
+With `--enable-lora` the adapters are served by name (serving_lora), and vLLM's runtime routes
+`/v1/load_lora_adapter` and `/v1/unload_lora_adapter` exist where the environment allows them.
+
 /health answers 503 while the model loads, after the engine failed, while draining, and while
 the engine thread has been in one step for longer than `step_timeout` (a watchdog for a step
 that hangs; it answers 200 again if the step ends). The runner owns the process lifecycle: it
@@ -25,6 +28,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -56,6 +60,13 @@ from fleetllm.engine.serving_base import (
 )
 from fleetllm.engine.serving_chat import OpenAIServingChat
 from fleetllm.engine.serving_completion import OpenAIServingCompletion
+from fleetllm.engine.serving_lora import (
+    LoadLoRAAdapterRequest,
+    LoRAModule,
+    LoRARegistry,
+    UnloadLoRAAdapterRequest,
+    runtime_updating_allowed,
+)
 from fleetllm.engine.serving_models import ServedModels
 from fleetllm.engine.serving_tokenization import OpenAIServingTokenization
 from fleetllm.engine.serving_tools import ToolSettings
@@ -88,6 +99,11 @@ class ServerSettings:
     chat_template: str | None = None  # in place of the model's
     tools: ToolSettings = field(default_factory=ToolSettings)
     created: int = field(default_factory=lambda: int(time.time()))
+    # LoRA (None: off): the adapters loaded at start-up, the CPU cache's size, and the folders
+    # that runtime loads may read from (None: any).
+    lora_modules: list[LoRAModule] | None = None
+    max_cpu_loras: int = 1
+    allowed_lora_paths: list[str] | None = None
 
 
 class ServerState:
@@ -99,7 +115,15 @@ class ServerState:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
-        models = ServedModels(settings.model_names, settings.model_root, settings.created)
+        loras = None
+        if settings.lora_modules is not None:
+            roots = settings.allowed_lora_paths
+            loras = LoRARegistry(
+                settings.model_names,
+                settings.max_cpu_loras,
+                None if roots is None else [Path(r) for r in roots],
+            )
+        models = ServedModels(settings.model_names, settings.model_root, settings.created, loras)
         self.serving = OpenAIServing(
             engine,
             models,
@@ -151,16 +175,32 @@ def create_app(
     max_waiting_requests: int | None = None,
     kv_events: KVEventsConfig | None = None,
 ) -> FastAPI:
-    """The app over an engine that `factory` builds on the engine thread. The engine starts
-    with the app's lifespan, or by `app.state.server.engine.start()` where none runs. With
+    """The app over an engine that `factory` builds on the engine thread (then loads the
+    `--lora-modules` adapters there, before the server is ready). The engine starts with the
+    app's lifespan, or by `app.state.server.engine.start()` where none runs. With
     `kv_events`, its sockets are opened here (a taken address fails at once)."""
-    engine = AsyncEngine(factory, max_waiting_requests=max_waiting_requests)
+    registry: LoRARegistry | None = None
+
+    def load() -> LLMEngine:
+        loaded = factory()
+        if registry is not None:
+            registry.loader = loaded.load_lora
+            try:
+                for module in settings.lora_modules or ():
+                    registry.add_static(module)
+            except BaseException:
+                loaded.shutdown()
+                raise
+        return loaded
+
+    engine = AsyncEngine(load, max_waiting_requests=max_waiting_requests)
     metrics = EngineMetrics(settings.model_names[0], lambda: engine.stats)
     engine.on_step = metrics.observe_step
     engine.on_overload = metrics.rejected.inc
     if kv_events is not None and kv_events.enabled:
         engine.kv_events = KVEventPublisher(kv_events, on_drop=metrics.kv_events_dropped.inc)
     state = ServerState(settings, engine, metrics)
+    registry = state.serving.models.loras
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -282,6 +322,23 @@ def create_app(
         req = parse_request(DetokenizeRequest, await read_body(request))
         return state.tokenization.detokenize(req)
 
+    if runtime_updating_allowed():
+
+        @api.post("/v1/load_lora_adapter", openapi_extra=_body_schema(LoadLoRAAdapterRequest))
+        async def load_lora_adapter(request: Request) -> Response:
+            state.check_accepting()
+            req = parse_request(LoadLoRAAdapterRequest, await read_body(request))
+            if registry is None:
+                raise APIError(400, "LoRA is not enabled: start the server with --enable-lora")
+            return Response(await registry.load(req), media_type="text/plain")
+
+        @api.post("/v1/unload_lora_adapter", openapi_extra=_body_schema(UnloadLoRAAdapterRequest))
+        async def unload_lora_adapter(request: Request) -> Response:
+            req = parse_request(UnloadLoRAAdapterRequest, await read_body(request))
+            if registry is None:
+                raise APIError(400, "LoRA is not enabled: start the server with --enable-lora")
+            return Response(await registry.unload(req), media_type="text/plain")
+
     app.include_router(open_routes)
     app.include_router(api)
     _document_bodies(app)
@@ -294,6 +351,8 @@ _BODY_MODELS = (
     TokenizeCompletionRequest,
     TokenizeChatRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
 )
 
 

@@ -371,16 +371,22 @@ class OpenAIServing:
         ids = truncate_prompt(prompt.token_ids, keep, side, self.max_model_len)
         return prompt if ids is prompt.token_ids else Prompt(None, ids)
 
-    def submit(self, job: Job, params: list[SamplingParams], cache_salt: str | None = None) -> None:
-        """One engine request per choice, `params` being each prompt's; from here on the job
-        is in flight until its response ends (`closer`)."""
+    async def submit(
+        self, job: Job, params: list[SamplingParams], cache_salt: str | None = None
+    ) -> None:
+        """One engine request per choice, `params` being each prompt's, with the LoRA adapter
+        the job's model names; from here on the job is in flight until its response ends
+        (`closer`)."""
         self.check_tokens(job, params)
+        lora = await self.models.adapter(job.model)
         requests = []
         for p, (prompt, prompt_params) in enumerate(zip(job.prompts, params, strict=True)):
             for i, child in enumerate(child_params(prompt_params)):
                 request_id = f"{job.request_id}-{p}-{i}"
                 requests.append(
-                    EngineRequest(request_id, prompt.token_ids, child, job.arrival, cache_salt)
+                    EngineRequest(
+                        request_id, prompt.token_ids, child, job.arrival, cache_salt, lora
+                    )
                 )
         bound = self.engine.max_waiting_requests
         if bound is not None and len(requests) > bound:  # could never be admitted

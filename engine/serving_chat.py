@@ -82,7 +82,7 @@ class OpenAIServingChat:
             serving.max_model_len,
             param if max_tokens is not None else "messages",
         )
-        serving.submit(job, [params], req.cache_salt)
+        await serving.submit(job, [params], req.cache_salt)
         if req.stream:
             chunks = _ChatChunks(self, req, job.n, tool_plan)
             return serving.stream(job, chunks, req.include_usage)

@@ -73,7 +73,7 @@ class OpenAIServingCompletion:
             limit = serving.max_model_len
             per_prompt.append(fit_max_tokens(params, len(prompt.token_ids), limit, "prompt"))
             job.prompts.append(prompt)
-        serving.submit(job, per_prompt, req.cache_salt)
+        await serving.submit(job, per_prompt, req.cache_salt)
         if req.stream:
             return serving.stream(job, _CompletionChunks(self, job, req), req.include_usage)
         outputs = await serving.collect(job, http)

@@ -84,3 +84,32 @@ def weight_bytes_per_rank(
     else:
         scales = sum(rows for rows, _ in matrices)
     return values * 1 + scales * WEIGHT_SCALE_BYTES + unquantized
+
+
+def lora_bytes_per_rank(
+    arch: ModelArch, *, tensor: int, max_loras: int, max_lora_rank: int, dtype_bytes: int
+) -> int:
+    """Bytes of the LoRA slots one of `tensor` ranks holds (`lora_layers`): for each of
+    `max_loras` slots and each layer, A [rank, in] of every adapted projection (q, k, v, o,
+    gate, up, down) at `max_lora_rank`, and B [out, parts * rank] of each of the engine's four
+    layers (qkv and gate/up fuse 3 and 2 parts, B block-diagonal over them), in the model
+    dtype. A column-parallel layer (qkv, gate/up) holds all of A and its rows of B; a
+    row-parallel one (o, down) its columns of A and all of B."""
+    if arch.intermediate_size is None:
+        raise ValueError(f"{arch.name}: the MLP's shape needs an intermediate size")
+    hidden = arch.hidden_size
+    q_rows = arch.num_heads // tensor * arch.head_dim
+    kv_rows = arch.num_kv_heads // tensor * arch.head_dim
+    mlp = arch.intermediate_size // tensor
+    # Values per unit of rank of A and B of each layer, as this rank holds them.
+    per_layer = (
+        3 * hidden
+        + (q_rows + 2 * kv_rows) * 3  # qkv: A 3 parts x hidden, B 3 parts wide
+        + q_rows
+        + hidden  # o
+        + 2 * hidden
+        + 2 * mlp * 2  # gate/up: A 2 parts x hidden, B 2 parts wide
+        + mlp
+        + hidden  # down
+    )
+    return max_loras * max_lora_rank * arch.num_layers * per_layer * dtype_bytes

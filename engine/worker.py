@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.loader import load_model
+from fleetllm.engine.lora_layers import add_lora_layers
 from fleetllm.engine.model import LlamaForCausalLM
 from fleetllm.engine.model_runner import ModelRunner
 from fleetllm.engine.parallel import TensorParallel
@@ -62,10 +63,13 @@ class WorkerSpec:
     num_threads: int | None = None
     load_format: str = "auto"
     enforce_eager: bool = False
+    max_loras: int = 0  # LoRA slots; 0: no LoRA
+    max_lora_rank: int = 0
 
 
 def load_shard(spec: WorkerSpec, tp: TensorParallel, device: torch.device) -> LlamaForCausalLM:
-    """This rank's model shard, quantized if asked."""
+    """This rank's model shard, quantized if asked, its projections wrapped for LoRA if
+    asked."""
     cfg = ModelConfig.from_pretrained(Path(spec.model_dir))
     model = load_model(
         Path(spec.model_dir),
@@ -80,7 +84,14 @@ def load_shard(spec: WorkerSpec, tp: TensorParallel, device: torch.device) -> Ll
     )
     if spec.quantization is not None:
         quantize_model(model, spec.quantization)
+    if spec.max_loras:
+        add_lora_layers(model, spec.max_loras, spec.max_lora_rank, spec.dtype)
     return model
+
+
+def lora_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of the rank's LoRA slots (0 without LoRA)."""
+    return model.lora.nbytes if model.lora is not None else 0
 
 
 def rank_device(spec: WorkerSpec, rank: int) -> torch.device:
@@ -154,7 +165,14 @@ def _serve(rank: int, size: int, store_port: int, conn: Connection, spec: Worker
     cfg = model.config
     send(
         conn,
-        ("loaded", {"weight_bytes": weight_bytes(model), "free_memory": free_memory_bytes(device)}),
+        (
+            "loaded",
+            {
+                "weight_bytes": weight_bytes(model),
+                "lora_bytes": lora_bytes(model),
+                "free_memory": free_memory_bytes(device),
+            },
+        ),
     )
     runner: ModelRunner | None = None
     while True:

@@ -4,9 +4,9 @@ the two can never drift apart.
 
 A full block is keyed by a chained SHA-256 of (the parent block's key, its token ids), so equal
 keys mean equal whole prefixes. The chain starts at a root that holds everything besides the
-tokens that decides whether two requests may share a block: today the request's `cache_salt`
-(requests with different salts never share a block); any further request-level key (an
-adapter's identity) joins the chain there, in `root_hash`, and nowhere else. A cryptographic
+tokens that decides whether two requests may share a block: the request's `cache_salt` and its
+LoRA adapter (requests with different salts or adapters never share a block); any further
+request-level key joins the chain there, in `root_hash`, and nowhere else. A cryptographic
 hash matters: blocks are looked up by key alone, so two prefixes whose keys collide would
 share KV entries, and a client able to craft such collisions (easy with Python's `hash`)
 could poison other tenants' outputs.
@@ -23,11 +23,16 @@ BlockHash = bytes  # a SHA-256 digest
 _UNSALTED_ROOT: BlockHash = hashlib.sha256(b"fleetllm-prefix-cache\0").digest()
 
 
-def root_hash(cache_salt: str | None = None) -> BlockHash:
-    """The parent of a request's first block: one per salt, and one for no salt."""
-    if cache_salt is None:
-        return _UNSALTED_ROOT
-    return hashlib.sha256(b"fleetllm-prefix-cache-salt\0" + cache_salt.encode()).digest()
+def root_hash(cache_salt: str | None = None, lora_key: bytes | None = None) -> BlockHash:
+    """The parent of a request's first block: one per salt and LoRA adapter (its 32-byte
+    key), and one for neither. KV computed with an adapter differs from the base model's and
+    from every other adapter's, so blocks are never shared across adapters."""
+    if lora_key is None:
+        if cache_salt is None:
+            return _UNSALTED_ROOT
+        return hashlib.sha256(b"fleetllm-prefix-cache-salt\0" + cache_salt.encode()).digest()
+    salt = b"\0" if cache_salt is None else b"\1" + cache_salt.encode()
+    return hashlib.sha256(b"fleetllm-prefix-cache-lora\0" + lora_key + salt).digest()
 
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:

@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from fleetllm.api.catalog import ModelArch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -116,6 +119,27 @@ def write_tiny_model(
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == model_type
     return path, model
+
+
+def arch_of(model_dir: Path) -> ModelArch:
+    """The catalog's shape of a checkpoint, from its config as the engine reads it."""
+    from fleetllm.api.catalog import ModelArch
+    from fleetllm.engine.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(model_dir)
+    return ModelArch(
+        name=model_dir.name,
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size,
+        max_position=cfg.max_position_embeddings,
+        intermediate_size=cfg.intermediate_size,
+        tied_embeddings=cfg.tie_word_embeddings,
+        qkv_bias=cfg.qkv_bias,
+    )
 
 
 def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

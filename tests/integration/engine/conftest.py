@@ -14,9 +14,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 from tinymodels import write_tiny_model
 
+from fleetllm.engine.cuda_graphs import DecodeGraphs
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.model_files import resolve_model
+from fleetllm.engine.model_runner import ModelRunner
+from fleetllm.engine.triton_attention import TritonPagedAttention
 
 
 @pytest.fixture(scope="session")
@@ -83,3 +86,38 @@ def no_leaked_blocks(_track_engines: None) -> Iterator[None]:
     for engine in engines.values():
         assert not engine.has_unfinished_requests(), "a test left requests in the engine"
         assert engine.kv.usage() == 0.0, "KV blocks leaked"
+
+
+@pytest.fixture
+def eager_graphs() -> Callable[[ModelRunner], list[int]]:
+    """Puts the GPU path on an engine's runner, as the CPU can run it: the Triton attention
+    kernels (in Triton's interpreter) and the CUDA-graph runner (buckets 1, 2, 4, 8), its padded
+    static-buffer forward run eagerly (capture=False); returns the list of the decode batch
+    sizes the graph runner will run, in order."""
+
+    def install(runner: ModelRunner) -> list[int]:
+        attn = runner.model.model.layers[0].self_attn.attn
+        runner.model.set_attention(
+            TritonPagedAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+        )
+        graphs = DecodeGraphs(
+            runner.model,
+            runner.kv_caches,  # type: ignore[arg-type]  # plain tensors: no quantized cache
+            runner.block_size,
+            runner.block_tables.width,
+            sizes=[1, 2, 4, 8],
+            device=torch.device("cpu"),
+            capture=False,
+        )
+        ran: list[int] = []
+        original = graphs.run
+
+        def run(*args: list) -> torch.Tensor:
+            ran.append(len(args[0]))
+            return original(*args)
+
+        graphs.run = run  # type: ignore[method-assign]
+        runner.graphs = graphs
+        return ran
+
+    return install

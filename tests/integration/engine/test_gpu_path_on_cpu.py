@@ -5,12 +5,9 @@ inside the real engine, give the reference path's tokens."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from fleetllm.engine.cuda_graphs import DecodeGraphs
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.sampling_params import SamplingParams
-from fleetllm.engine.triton_attention import TritonPagedAttention
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 41))]
 MAX_TOKENS = [9, 4, 6]  # the batch shrinks 3 -> 2 -> 1 as requests finish
@@ -22,7 +19,9 @@ def generate(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa-tied", "mistral-headdim"])
-def test_graph_runner_and_kernels_give_the_reference_tokens(tiny_model, variant: str) -> None:
+def test_graph_runner_and_kernels_give_the_reference_tokens(
+    tiny_model, eager_graphs, variant: str
+) -> None:
     path, _ = tiny_model(variant)
 
     def make() -> LLM:
@@ -40,29 +39,8 @@ def test_graph_runner_and_kernels_give_the_reference_tokens(tiny_model, variant:
 
     llm = make()
     runner = llm.engine.runner
-    attn = runner.model.model.layers[0].self_attn.attn
-    runner.model.set_attention(
-        TritonPagedAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
-    )
-    graphs = DecodeGraphs(
-        runner.model,
-        runner.kv_caches,
-        runner.block_size,
-        runner.block_tables.width,
-        sizes=[1, 2, 4],
-        device=torch.device("cpu"),
-        capture=False,
-    )
-    sizes_run: list[int] = []
-    original = graphs.run
-
-    def run(*args: list) -> torch.Tensor:
-        sizes_run.append(len(args[0]))
-        return original(*args)
-
-    graphs.run = run  # type: ignore[method-assign]
-    runner.graphs = graphs
+    sizes_run = eager_graphs(runner)
     assert generate(llm) == want
     # Every decode step went through the static buffers, padded 3 -> 4 at first.
     assert sizes_run == [3] * 3 + [2] * 2 + [1] * 3
-    assert graphs.context_lens[3] == 0  # the padding row
+    assert runner.graphs.context_lens[3] == 0  # the padding row

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tinymodels import build_hf_model
+from tinymodels import arch_of, build_hf_model
 
 from fleetllm.api.catalog import MODELS, ModelArch
 from fleetllm.engine import sizing
@@ -51,19 +51,7 @@ def engine_formulas(
     """(weight bytes, KV bytes per token) of one rank by `fleetllm.engine.sizing`, from the
     checkpoint's own config as the engine reads it."""
     cfg = ModelConfig.from_pretrained(model_dir)
-    arch = ModelArch(
-        name=model_dir.name,
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        vocab_size=cfg.vocab_size,
-        max_position=cfg.max_position_embeddings,
-        intermediate_size=cfg.intermediate_size,
-        tied_embeddings=cfg.tie_word_embeddings,
-        qkv_bias=cfg.qkv_bias,
-    )
+    arch = arch_of(model_dir)
     dtype_bytes = getattr(torch, dtype).itemsize
     quantization = None if weights == "none" else weights
     # The engine packs where the rule says so and oneDNN runs the dtype on this CPU.

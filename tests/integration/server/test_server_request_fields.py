@@ -148,7 +148,7 @@ def test_unserved_fields_are_refused_by_name_and_unknown_ones_logged_once(
         ("/v1/chat/completions", {"messages": MESSAGES, "use_beam_search": True}),
         ("/v1/chat/completions", {"messages": MESSAGES, "chat_template": "{{ messages }}"}),
         ("/v1/completions", {"prompt": PROMPT, "priority": 3}),
-        ("/v1/completions", {"prompt": PROMPT, "response_format": {"type": "json_object"}}),
+        ("/v1/completions", {"prompt": PROMPT, "prompt_embeds": "AAAA"}),
         ("/tokenize", {"messages": MESSAGES, "chat_template": "x"}),
     ):
         r = post(server, path, {"model": SERVED_NAME, **body})

@@ -64,11 +64,7 @@ EXAMPLES: dict[str, tuple[Any, Any]] = {
     "repetition_detection": ({}, {"max_pattern_size": 4}),
     "stream_interval": (1, 4),
     "thinking_token_budget": (-1, 100),
-    "structured_outputs": ({}, {"regex": "[a-z]+"}),
-    "response_format": ({"type": "text"}, {"type": "json_object"}),
     "prompt_embeds": ("", "AAAA"),
-    "tools": ([], [{"type": "function", "function": {"name": "f"}}]),
-    "tool_choice": ("none", "auto"),
     "chat_template": (None, "{{ messages }}"),
     "media_io_kwargs": ({}, {"image": {"x": 1}}),
     "mm_processor_kwargs": ({}, {"num_crops": 4}),
@@ -103,12 +99,17 @@ def test_an_unserved_field_is_refused_by_name_only_when_it_asks_for_something(na
 
 
 def test_a_declared_field_is_the_models_to_judge() -> None:
-    """Chat declares response_format (and refuses a JSON one itself): the table's entry speaks
-    for completions only."""
-    with pytest.raises(APIError) as err:
-        request(CHAT, response_format={"type": "json_object"})
-    assert err.value.param == "response_format"
-    FieldPolicy().check(request(CHAT, response_format={"type": "text"}), CHAT)
+    """Structured outputs and tools are served: the request models declare them, so the
+    table never sees them."""
+    tool = {"type": "function", "function": {"name": "f"}}
+    for endpoint, fields in (
+        (COMPLETION, {"response_format": {"type": "json_object"}, "structured_outputs": {}}),
+        (CHAT, {"tools": [tool], "tool_choice": "auto", "parallel_tool_calls": False}),
+        (TOKENIZE_CHAT, {"tools": [tool]}),
+    ):
+        req = request(endpoint, **fields)
+        assert not req.model_extra
+        FieldPolicy().check(req, endpoint)
 
 
 def test_a_template_in_the_kwargs_is_refused_as_the_field_is() -> None:

@@ -25,7 +25,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from fleetllm.engine.engine import EngineStats, LLMEngine
+from fleetllm.engine.engine import LLMEngine
+from fleetllm.engine.engine_stats import EngineStats
 from fleetllm.engine.kv_publisher import KVEventPublisher
 from fleetllm.engine.lora_adapter import LoRAAdapter
 from fleetllm.engine.request import RequestFailedError, RequestOutput, merge_deltas

@@ -12,7 +12,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from fleetllm.engine.config import (
     check_kv_pool,
     resolve_dtype,
 )
+from fleetllm.engine.engine_stats import EngineStats
 from fleetllm.engine.executor import LocalExecutor, MultiprocExecutor, WorkerFailedError
 from fleetllm.engine.grammar import GrammarCompiler
 from fleetllm.engine.lora_adapter import LoRAAdapter, load_adapter
@@ -54,28 +55,6 @@ _PROBE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 class EngineFaultError(RuntimeError):
     """The engine cannot run requests any more (not the fault of any one request)."""
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # used blocks / all blocks; cached-but-free blocks count as free
-    num_preemptions: int
-    prefix_cache_queries: int  # tokens
-    prefix_cache_hits: int  # tokens
-    prompt_tokens: int  # prompts of requests that produced their first token
-    generation_tokens: int
-    num_kv_blocks: int
-    block_size: int
-    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
-    spec_decode_num_drafts: int = 0  # requests' steps that verified drafts
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    attention: dict[str, str] = field(default_factory=dict)  # by phase; "fallback": why
-    max_loras: int = 0  # LoRA slots (0: LoRA off)
-    lora_running: list[str] = field(default_factory=list)  # adapters of running requests
-    lora_waiting: list[str] = field(default_factory=list)  # adapters of waiting requests
 
 
 @dataclass
@@ -159,9 +138,8 @@ class LLMEngine:
         spec = config.speculative_config
         assert spec is None or isinstance(spec, SpeculativeConfig)  # parsed by validate()
         proposer = NgramProposer(spec, self.max_model_len).propose if spec else None
-        self.lora_slots = LoRASlots(
-            config.max_loras if config.enable_lora else 0, config.max_lora_rank
-        )
+        slots = config.max_loras if config.enable_lora else 0
+        self.lora_slots = LoRASlots(slots, config.max_lora_rank)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, proposer, self.lora_slots
         )
@@ -597,8 +575,6 @@ class LLMEngine:
             return ""
         held = text.stops.flush() if text.stops is not None else ""
         return held + text.detokenizer.finish()
-
-    # -- stats and sizing -----------------------------------------------------------------
 
     def stats(self) -> EngineStats:
         return EngineStats(

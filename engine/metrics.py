@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from fleetllm.engine.engine import EngineStats
+from fleetllm.engine.engine_stats import EngineStats
 from fleetllm.engine.request import RequestOutput
 
 TTFT_BUCKETS = (

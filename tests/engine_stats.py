@@ -3,7 +3,7 @@ exposition, a replica under the operator's autoscaler) report."""
 
 from __future__ import annotations
 
-from fleetllm.engine.engine import EngineStats
+from fleetllm.engine.engine_stats import EngineStats
 
 
 def load_stats(running: int, waiting: int, kv: float) -> EngineStats:

@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 
 from fleetllm.autoscale.step import scale_summary
+from fleetllm.local.discovery import LocalDiscovery
 from fleetllm.local.launch import (
     CorePool,
     GPUPool,
@@ -46,7 +47,7 @@ from fleetllm.local.policy import (
 )
 from fleetllm.local.process import GuardedProcess, describe_exit, free_port
 from fleetllm.local.status import ModelView, ReplicaView
-from fleetllm.router.discovery import Fleet, KVEventsEndpoint, ModelRoute, Publish, ReplicaRef
+from fleetllm.router.discovery import KVEventsEndpoint, ModelRoute, ReplicaRef
 
 log = logging.getLogger("fleetllm.local")
 
@@ -135,27 +136,6 @@ class ModelFleet:
             tokenizer=self.model_dir,
             adapters=adapters,
         )
-
-
-class LocalDiscovery:
-    """The router's discovery for the local fleet: the supervisor publishes, in-process."""
-
-    def __init__(self, on_demand: Callable[[str], None]) -> None:
-        self.on_demand = on_demand
-        self._publish: Publish | None = None
-        self._fleet: Fleet = {}
-
-    async def run(self, publish: Publish) -> None:
-        self._publish = publish
-        publish(self._fleet)
-
-    def update(self, fleet: Fleet) -> None:
-        self._fleet = fleet
-        if self._publish is not None:
-            self._publish(fleet)
-
-    async def signal_demand(self, route: ModelRoute) -> None:
-        self.on_demand(route.name)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from kubeapi import CR_RESOURCE, NAMESPACE, EmulatedApiServer
 from fleetllm.api.contract import selector_labels
 from fleetllm.api.deployment import API_VERSION, KIND
 from fleetllm.api.status import AdapterRecord, ReconciledStatus, ScaleRecord, field_names
-from fleetllm.engine.engine import EngineStats
+from fleetllm.engine.engine_stats import EngineStats
 from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.kube.client import DEFAULT_FIELD_MANAGER
 from fleetllm.operator import adapter_loader, scaler

@@ -25,7 +25,7 @@ from fleetllm.engine.grammar import Grammar, GrammarCompiler
 from fleetllm.engine.model_files import resolve_model
 from fleetllm.engine.sampler import SamplingRow, sample
 from fleetllm.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from fleetllm.engine.tokenizer import Tokenizer
+from fleetllm.tokenizer import Tokenizer
 
 VOCAB = 49152
 SCHEMA = {

@@ -24,7 +24,7 @@ from fleetllm.engine.sampler import SamplingRow, sample
 from fleetllm.engine.sampling_params import SamplingParams
 from fleetllm.engine.sampling_params import StructuredOutputsParams as SO
 from fleetllm.engine.spec_decode import verify
-from fleetllm.engine.tokenizer import Tokenizer
+from fleetllm.tokenizer import Tokenizer
 
 VOCAB = 49152
 EOS = 2  # SmolLM2's <|im_end|>

@@ -103,7 +103,7 @@ def test_a_declared_field_is_the_models_to_judge() -> None:
     table never sees them."""
     tool = {"type": "function", "function": {"name": "f"}}
     for endpoint, fields in (
-        (COMPLETION, {"response_format": {"type": "json_object"}, "structured_outputs": {}}),
+        (COMPLETION, {"structured_outputs": {"regex": "[a-z]+"}}),
         (CHAT, {"tools": [tool], "tool_choice": "auto", "parallel_tool_calls": False}),
         (TOKENIZE_CHAT, {"tools": [tool]}),
     ):

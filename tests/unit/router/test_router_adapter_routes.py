@@ -125,7 +125,7 @@ def test_prefix_affinity_is_keyed_by_adapter() -> None:
     payload = {"model": "x", "prompt": "You are a helpful assistant. " * 4}
 
     def first(adapter: AdapterRoute | None) -> str:
-        return pool.order(model, payload, {}, adapter)[0].url
+        return pool.order(model, payload, {}, adapter=adapter)[0].url
 
     # The same prompt for the same adapter lands on the same replica every time...
     assert all(first(adapters[0]) == first(adapters[0]) for _ in range(5))
@@ -136,5 +136,5 @@ def test_prefix_affinity_is_keyed_by_adapter() -> None:
     held = urls[2]
     for url, pooled in model.replicas.items():
         pooled.replica.adapters = frozenset({"a0"}) if url == held else frozenset()
-    assert [r.url for r in pool.order(model, payload, {}, adapters[0])] == [held]
-    assert pool.order(model, payload, {}, adapters[1]) == []
+    assert [r.url for r in pool.order(model, payload, {}, adapter=adapters[0])] == [held]
+    assert pool.order(model, payload, {}, adapter=adapters[1]) == []

@@ -163,11 +163,19 @@ def test_a_huge_first_event_is_a_502_and_the_router_stays_small(
     url = hostile("event")
     router = _router(start_router, tmp_path, url)
     peak = PeakRss(router.proc.pid)
+    cpu = peak.process.cpu_times()
     response = _complete(router, stream=True)
     growth = peak.growth()
+    spent = peak.process.cpu_times()
     assert response.status_code == 502
     assert "exceeds the limit" in response.json()["error"]["message"]
     assert growth < MARGIN
+    # The event is read once, up to the cap: the CPU it costs the router is that of one
+    # MiB, not the seconds a quadratic search spent on 100 MiB (a generous bound: work, not
+    # wall time), and the router answers its health check at once after it.
+    assert (spent.user + spent.system) - (cpu.user + cpu.system) < 2.0
+    assert httpx.get(f"{router.url}/health", timeout=GUARD).status_code == 200
+    assert _up(router, url) == 0
 
 
 def test_a_huge_event_after_a_token_ends_the_stream_with_the_routers_error_event(

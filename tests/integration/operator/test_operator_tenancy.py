@@ -172,7 +172,7 @@ async def test_with_a_root_the_key_is_derived_and_follows_a_rotation(
     await _create(api, SMOL)
     uid = api.get(CR, "smol")["metadata"]["uid"]
     for root in ("first-root", "rotated-root"):
-        derived = Reconciler(reconciler.client, emit=reconciler._emit, engine_key_root=root)
+        derived = Reconciler(reconciler.client, emit=reconciler.emit, engine_key_root=root)
         outcome = await derived.reconcile("default", "smol")
         assert outcome is not None and outcome.planned
         data = api.get(SECRETS, "smol-engine-key")["data"]["api-key"]

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_type_hints
 
@@ -209,39 +210,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
-    return RouterSettings(
-        host=args.host,
-        port=args.port,
-        strategy=args.strategy,
-        load_factor=args.load_factor,
-        session_header=args.session_header,
-        prefix_chars=args.prefix_chars,
-        kv_index_max_blocks=args.kv_index_max_blocks,
-        kv_events_stale_after=args.kv_events_stale_after,
-        tokenizers=tuple(_model_dir(value) for value in args.tokenizer),
-        connect_timeout=args.connect_timeout,
-        first_byte_timeout=args.first_byte_timeout,
-        request_timeout=args.request_timeout,
-        max_attempts=args.max_attempts,
-        retry_window=args.retry_window,
-        backoff_max=args.backoff_max,
-        hold_queue_size=args.hold_queue_size,
-        hold_timeout=args.hold_timeout,
-        hold_queue_bytes=args.hold_queue_bytes,
-        scrape_interval=args.scrape_interval,
-        max_body_bytes=args.max_body_bytes,
-        client_header_timeout=args.client_header_timeout,
-        client_body_timeout=args.client_body_timeout,
-        upstream_api_key=args.upstream_api_key or None,
-        max_metrics_bytes=args.max_metrics_bytes,
-        max_answer_bytes=args.max_answer_bytes,
-        max_event_bytes=args.max_event_bytes,
-        max_inflight_requests=args.max_inflight_requests,
-        max_inflight_bytes=args.max_inflight_bytes,
-        cache_salt_secret=os.environ.get(CACHE_SALT_ENV, "").encode(),
+    # Each flag named after a RouterSettings field (_setting's, --strategy) sets that field;
+    # the others are derived here.
+    flagged = {f.name: getattr(args, f.name) for f in fields(RouterSettings) if f.name in args}
+    derived = {
+        "tokenizers": tuple(_model_dir(value) for value in args.tokenizer),
+        "upstream_api_key": args.upstream_api_key or None,
+        "cache_salt_secret": os.environ.get(CACHE_SALT_ENV, "").encode(),
         # The env only (the chart's `<release>-engine-keys` Secret): never a flag, seen in `ps`.
-        engine_key_root=os.environ.get(ENGINE_KEY_ROOT_ENV, "").encode(),
-    )
+        "engine_key_root": os.environ.get(ENGINE_KEY_ROOT_ENV, "").encode(),
+    }
+    return RouterSettings(**(flagged | derived))
 
 
 def _model_dir(value: str) -> tuple[str, str]:

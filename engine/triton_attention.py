@@ -208,6 +208,21 @@ def _paged_prefill_kernel(
     )
 
 
+def _strides(
+    q: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor, out: torch.Tensor
+) -> tuple[int, ...]:
+    """The strides both kernels take, in their order (stride_qt to stride_oh)."""
+    return (
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+    )
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -237,13 +252,7 @@ def paged_decode(
         tables,
         context_lens,
         scale,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *_strides(q, k_cache, tables, out),
         GROUP=group,
         GROUP_P=_pow2(group),
         HEAD_DIM=head_dim,
@@ -287,13 +296,7 @@ def paged_prefill(
         q_lens,
         context_lens,
         scale,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *_strides(q, k_cache, tables, out),
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_P=_pow2(head_dim),

@@ -4,7 +4,9 @@ before the first byte, stream errors after it, timeouts, bad input, holding, key
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from router_testkit import (
 
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import StaticDiscovery, parse_static_fleet
+from fleetllm.router.server import Router
 
 pytestmark = pytest.mark.asyncio
 
@@ -100,6 +103,22 @@ def _sse_events(text: str) -> list[str]:
     return [line[6:] for line in text.split("\n\n") if line.startswith("data: ")]
 
 
+@contextlib.asynccontextmanager
+async def first_then(
+    first: Upstream, then: Upstream, settings: RouterSettings = FAST
+) -> AsyncIterator[tuple[Router, str, str]]:
+    """Model "m" on two replicas behind a router that tries `first` first: the router, its
+    URL and `first`'s URL."""
+    async with (
+        serve_upstream(first) as first_url,
+        serve_upstream(then) as then_url,
+        serve_router(settings) as (router, url),
+    ):
+        router.apply_fleet(fleet({"m": [first_url, then_url]}))
+        router.models["m"].turn = 0
+        yield router, url, first_url
+
+
 async def test_failover_past_a_dropped_connection_and_a_503() -> None:
     hangup, busy, good = Upstream("hangup"), Upstream("503"), Upstream("ok")
     async with (
@@ -142,26 +161,14 @@ async def test_when_every_attempt_fails_the_last_answer_is_passed_on() -> None:
 
 async def test_client_errors_are_answers_not_retried() -> None:
     bad, good = Upstream("400"), Upstream("ok")
-    async with (
-        serve_upstream(bad) as bad_url,
-        serve_upstream(good) as good_url,
-        serve_router(FAST) as (router, url),
-    ):
-        router.apply_fleet(fleet({"m": [bad_url, good_url]}))
-        router.models["m"].turn = 0
+    async with first_then(bad, good) as (_, url, _):
         r = await _post(f"{url}/v1/completions", {"model": "m", "prompt": "x"})
         assert r.status_code == 400 and len(good.seen) == 0
 
 
 async def test_a_stream_cut_mid_event_ends_with_an_error_event_and_is_not_retried() -> None:
     cut, good = Upstream("cut"), Upstream("ok")
-    async with (
-        serve_upstream(cut) as cut_url,
-        serve_upstream(good) as good_url,
-        serve_router(FAST) as (router, url),
-    ):
-        router.apply_fleet(fleet({"m": [cut_url, good_url]}))
-        router.models["m"].turn = 0
+    async with first_then(cut, good) as (_, url, _):
         r = await _post(f"{url}/v1/completions", {"model": "m", "prompt": "x", "stream": True})
         assert r.status_code == 200
         events = _sse_events(r.text)
@@ -175,13 +182,7 @@ async def test_a_stream_cut_mid_event_ends_with_an_error_event_and_is_not_retrie
 
 async def test_a_stream_that_dies_before_its_first_event_moves_to_another_replica() -> None:
     dying, good = Upstream("die-before-first"), Upstream("ok")
-    async with (
-        serve_upstream(dying) as dying_url,
-        serve_upstream(good) as good_url,
-        serve_router(FAST) as (router, url),
-    ):
-        router.apply_fleet(fleet({"m": [dying_url, good_url]}))
-        router.models["m"].turn = 0
+    async with first_then(dying, good) as (_, url, _):
         r = await _post(f"{url}/v1/completions", {"model": "m", "prompt": "x", "stream": True})
         assert r.status_code == 200
         assert _sse_events(r.text)[-1] == "[DONE]" and "error" not in r.text
@@ -191,13 +192,7 @@ async def test_a_stream_that_dies_before_its_first_event_moves_to_another_replic
 async def test_first_byte_timeout_moves_a_stream_on() -> None:
     stalled, good = Upstream("stall"), Upstream("ok")
     settings = RouterSettings(strategy="round-robin", first_byte_timeout=0.3)
-    async with (
-        serve_upstream(stalled) as stalled_url,
-        serve_upstream(good) as good_url,
-        serve_router(settings) as (router, url),
-    ):
-        router.apply_fleet(fleet({"m": [stalled_url, good_url]}))
-        router.models["m"].turn = 0
+    async with first_then(stalled, good, settings) as (router, url, stalled_url):
         r = await _post(f"{url}/v1/completions", {"model": "m", "prompt": "x", "stream": True})
         assert r.status_code == 200 and len(good.seen) == 1
         router.apply_fleet(fleet({"m": [stalled_url]}))

@@ -81,7 +81,7 @@ class KVFeed:
             while True:
                 if pending is not None or time.monotonic() >= next_probe:
                     dealer = dealer or self._dealer()
-                    start = self.sequencer.anchor if pending is None else pending.start
+                    start = self.sequencer.check_start if pending is None else pending.start
                     answer, whole = await self._replay(dealer, start)
                     if not whole:
                         dealer.close()

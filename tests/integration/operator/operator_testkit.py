@@ -216,10 +216,13 @@ class Controllers:
         return f"/api/v1/namespaces/{self.namespace}/pods"
 
     def pods(self) -> list[dict[str, Any]]:
+        """The pods the engine Deployment selects (a pull Job's pod carries another
+        component label, as in a cluster)."""
+        selector = selector_labels(self.name).items()
         return [
             p
             for p in self.api.list("v1/pods")
-            if (p["metadata"].get("labels") or {}).get("app.kubernetes.io/instance") == self.name
+            if selector <= (p["metadata"].get("labels") or {}).items()
             and p["metadata"].get("namespace") == self.namespace
         ]
 

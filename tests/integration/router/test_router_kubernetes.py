@@ -406,12 +406,14 @@ async def _is(value: Any, expected: Any) -> bool:
 
 class KeyedEngine:
     """A stand-in engine that, like ours and vLLM started with a key, answers 401 to any other
-    key; /health and /metrics stay open. `seen` is the Authorization of every request."""
+    key; /health and /metrics stay open. `seen` is the Authorization of every request (the
+    router's reads of the model card included), `completions` that of each completion."""
 
     def __init__(self, model: str) -> None:
         self.model = model
         self.key = ""
         self.seen: list[str] = []
+        self.completions: list[str] = []
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/health":
@@ -419,6 +421,8 @@ class KeyedEngine:
         if request.path == "/metrics":
             return web.Response(text="vllm:num_requests_waiting 0\n")
         self.seen.append(request.headers.get("Authorization", ""))
+        if request.path == "/v1/completions":
+            self.completions.append(request.headers.get("Authorization", ""))
         if request.headers.get("Authorization") != f"Bearer {self.key}":
             return web.json_response({"error": {"message": "bad key", "code": 401}}, status=401)
         return web.json_response({"model": self.model, "choices": [{"text": "ok"}]})
@@ -470,5 +474,6 @@ async def test_each_models_replicas_get_their_own_derived_key(api: Any, tmp_path
     assert alpha_key != beta_key
     # Each engine saw its own key only: never the other's, never the global one.
     assert set(engines["alpha"].seen) == {f"Bearer {alpha_key}"}
-    assert engines["beta"].seen == [f"Bearer {beta_key}"] * 2
+    assert set(engines["beta"].seen) == {f"Bearer {beta_key}"}
+    assert engines["beta"].completions == [f"Bearer {beta_key}"] * 2
     assert alpha_key not in log and beta_key not in log and root not in log

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from fleetllm.engine.config import EngineConfig
 
 from fleetllm.engine.tool_parsers import PARSERS
+from fleetllm.logs import add_log_level_flag
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -220,7 +221,7 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="include prompts and completions in the per-request log lines",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_log_level_flag(p)
     p.set_defaults(func=_serve)
 
 
@@ -277,32 +278,11 @@ def _lora_settings(args: argparse.Namespace, config: EngineConfig) -> dict[str, 
     }
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import torch
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configuration from `fleetllm engine serve`'s arguments."""
+    from fleetllm.engine.config import EngineConfig
 
-    from fleetllm.engine.config import EngineConfig, ModelConfig
-    from fleetllm.engine.kv_cache import check_kv_cache_dtype
-    from fleetllm.engine.model_files import resolve_model
-    from fleetllm.engine.parallel import check_tensor_parallel
-    from fleetllm.engine.quantization import check_quantization
-    from fleetllm.engine.server import ServerSettings, run_server
-    from fleetllm.engine.serving_tools import ToolSettings
-    from fleetllm.tokenizer import load_chat_template
-
-    for flag, value, low in (
-        ("--port", args.port, 0),
-        ("--max-request-body-bytes", args.max_request_body_bytes, 1),
-        ("--max-waiting-requests", args.max_waiting_requests, 0),
-        ("--shutdown-grace-period", args.shutdown_grace_period, 0),
-        ("--max-request-choices", args.max_request_choices, 1),
-        ("--max-request-tokens", args.max_request_tokens, 1),
-        ("--step-timeout", args.step_timeout, 0),
-    ):
-        if value is not None and not value >= low:  # NaN included
-            raise ValueError(f"{flag} must be at least {low}, got {value}")
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    config = EngineConfig(
+    return EngineConfig(
         model=args.model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
@@ -328,6 +308,34 @@ def _serve(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from fleetllm.engine.config import ModelConfig
+    from fleetllm.engine.kv_cache import check_kv_cache_dtype
+    from fleetllm.engine.model_files import resolve_model
+    from fleetllm.engine.parallel import check_tensor_parallel
+    from fleetllm.engine.quantization import check_quantization
+    from fleetllm.engine.server import ServerSettings, run_server
+    from fleetllm.engine.serving_tools import ToolSettings
+    from fleetllm.tokenizer import load_chat_template
+
+    for flag, value, low in (
+        ("--port", args.port, 0),
+        ("--max-request-body-bytes", args.max_request_body_bytes, 1),
+        ("--max-waiting-requests", args.max_waiting_requests, 0),
+        ("--shutdown-grace-period", args.shutdown_grace_period, 0),
+        ("--max-request-choices", args.max_request_choices, 1),
+        ("--max-request-tokens", args.max_request_tokens, 1),
+        ("--step-timeout", args.step_timeout, 0),
+    ):
+        if value is not None and not value >= low:  # NaN included
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    config = config_from_args(args)
     # Fail fast, before binding, on what can be checked without loading the weights.
     config.validate()
     lora = _lora_settings(args, config)

@@ -35,6 +35,45 @@ def _pow2(n: int, floor: int = MIN_DOT) -> int:
 
 
 @triton.jit
+def _kv_tile(
+    k_head_ptr,  # the cache's keys of one kv head (slot 0)
+    v_head_ptr,
+    table_ptr,  # the sequence's row of block ids
+    pos,  # [N] positions in the sequence
+    valid,  # [N] which of them to read
+    d,
+    d_ok,
+    stride_cs,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The keys and values at positions `pos` ([N, D] each, zeros where not `valid`), read
+    through the block table from the paged cache."""
+    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+    offs = slot[:, None] * stride_cs + d[None, :]
+    kv_ok = valid[:, None] & d_ok[None, :]
+    k = tl.load(k_head_ptr + offs, mask=kv_ok, other=0.0)
+    v = tl.load(v_head_ptr + offs, mask=kv_ok, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _softmax_step(s, v, m, denom, acc):
+    """One tile of the online softmax: scores `s` [M, N] over values `v` [N, D] folded into
+    the running row maxima `m`, denominators and weighted sums `acc` [M, D]."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, denom, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,  # [N, H, D]
     k_cache_ptr,  # [slots, KVH, D]
@@ -77,26 +116,16 @@ def _paged_decode_kernel(
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     denom = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
+    k_head = k_cache_ptr + kvh * stride_ch
+    v_head = v_cache_ptr + kvh * stride_ch
+    table = tables_ptr + seq * stride_tr
     for start in range(0, ctx, TILE):
         pos = start + n
         valid = pos < ctx
-        block = tl.load(tables_ptr + seq * stride_tr + pos // BLOCK_SIZE, mask=valid, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        offs = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        kv_ok = valid[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_ok, other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=kv_ok, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _kv_tile(k_head, v_head, table, pos, valid, d, d_ok, stride_cs, BLOCK_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, TILE]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, denom, acc = _softmax_step(s, v, m, denom, acc)
     # A context of 0 (a padding row of a captured batch) gives zeros, not NaN.
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(
@@ -161,31 +190,36 @@ def _paged_prefill_kernel(
     # Keys past the tile's last row are masked for every row: stop there. Every row sees key
     # 0 in the first iteration, so no row's maximum stays -inf.
     end = tl.minimum(ctx, cached + (tile + 1) * BLOCK_M)
+    k_head = k_cache_ptr + kvh * stride_ch
+    v_head = v_cache_ptr + kvh * stride_ch
+    table = tables_ptr + chunk * stride_tr
     for start in range(0, end, BLOCK_N):
         pos = start + n
         valid = pos < ctx
-        block = tl.load(tables_ptr + chunk * stride_tr + pos // BLOCK_SIZE, mask=valid, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        offs = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        kv_ok = valid[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_ok, other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=kv_ok, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _kv_tile(k_head, v_head, table, pos, valid, d, d_ok, stride_cs, BLOCK_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, denom, acc = _softmax_step(s, v, m, denom, acc)
     out = acc / denom[:, None]
     tl.store(
         out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=rows_ok[:, None] & d_ok[None, :],
+    )
+
+
+def _strides(
+    q: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor, out: torch.Tensor
+) -> tuple[int, ...]:
+    """The strides both kernels take, in their order (stride_qt to stride_oh)."""
+    return (
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        tables.stride(0),
+        out.stride(0),
+        out.stride(1),
     )
 
 
@@ -218,13 +252,7 @@ def paged_decode(
         tables,
         context_lens,
         scale,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *_strides(q, k_cache, tables, out),
         GROUP=group,
         GROUP_P=_pow2(group),
         HEAD_DIM=head_dim,
@@ -268,13 +296,7 @@ def paged_prefill(
         q_lens,
         context_lens,
         scale,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *_strides(q, k_cache, tables, out),
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_P=_pow2(head_dim),

@@ -17,6 +17,7 @@ credentials (`SECRET_FIELDS`) are always replaced by "[redacted]".
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -123,6 +124,14 @@ def filter_parser_errors() -> None:
         server = logging.getLogger(name)
         server.filters[:] = [f for f in server.filters if not isinstance(f, ParserErrors)]
         server.addFilter(ParserErrors())
+
+
+LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_log_level_flag(parser: argparse._ActionsContainer) -> None:
+    """The servers' common `--log-level`, whose value goes to `configure_logging`."""
+    parser.add_argument("--log-level", default="info", choices=LEVELS)
 
 
 def configure_logging(

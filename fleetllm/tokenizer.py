@@ -10,6 +10,7 @@ import codecs
 import functools
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -28,29 +29,25 @@ _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
 
 
+# repr=False: the backend's repr spells out the whole vocabulary.
+@dataclass(eq=False, repr=False)
 class Tokenizer:
     """A model's tokenizer: encode/decode, special tokens, stop tokens and its chat template."""
 
-    def __init__(
-        self,
-        backend: BackendTokenizer,
-        *,
-        bos_token: str | None = None,
-        eos_token: str | None = None,
-        add_bos_token: bool = False,
-        chat_template: str | None = None,
-        generation_eos_token_ids: Sequence[int] = (),
-        truncation_side: str = "right",
-    ) -> None:
-        self.backend = backend
-        self.bos_token = bos_token
-        self.eos_token = eos_token
-        self.add_bos_token = add_bos_token
-        self.chat_template = chat_template
-        self._generation_eos_token_ids = tuple(generation_eos_token_ids)
-        self.truncation_side = truncation_side
-        """Which end a prompt cut to `truncate_prompt_tokens` loses by default: "right" keeps
-        its first tokens (Hugging Face's default), "left" its last."""
+    backend: BackendTokenizer
+    _: KW_ONLY
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos_token: bool = False
+    chat_template: str | None = None
+    generation_eos_token_ids: Sequence[int] = ()
+    truncation_side: str = "right"
+    """Which end a prompt cut to `truncate_prompt_tokens` loses by default: "right" keeps
+    its first tokens (Hugging Face's default), "left" its last."""
+
+    def __post_init__(self) -> None:
+        # A copy: the cached stop ids are derived from it, so a caller's list must not change it.
+        self.generation_eos_token_ids = tuple(self.generation_eos_token_ids)
 
     @classmethod
     def from_pretrained(cls, path: Path | str) -> Tokenizer:
@@ -117,13 +114,13 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         if self.eos_token is not None:
             return self.backend.token_to_id(self.eos_token)
-        return self._generation_eos_token_ids[0] if self._generation_eos_token_ids else None
+        return self.generation_eos_token_ids[0] if self.generation_eos_token_ids else None
 
     @cached_property
     def stop_token_ids(self) -> frozenset[int]:
         """Ids that end generation: the tokenizer's EOS and every generation_config EOS id."""
         eos = () if self.eos_token_id is None else (self.eos_token_id,)
-        return frozenset((*eos, *self._generation_eos_token_ids))
+        return frozenset((*eos, *self.generation_eos_token_ids))
 
     @cached_property
     def all_special_ids(self) -> frozenset[int]:

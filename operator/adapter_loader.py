@@ -27,7 +27,7 @@ import base64
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import aiohttp
@@ -102,32 +102,23 @@ def _termination_message(pods: list[dict[str, Any]]) -> str | None:
     return found
 
 
+@dataclass(eq=False)
 class AdapterLoader:
-    def __init__(
-        self,
-        client: KubeClient,
-        emit: EventSink,
-        *,
-        config: OperatorConfig = DEFAULT_CONFIG,
-        engine_key_root: str = "",
-        timeout: float = 120.0,
-        clock: Callable[[], float] = time.monotonic,
-        http: EngineHttp | None = None,
-    ) -> None:
-        self.client = client
-        self.config = config
-        self._root = engine_key_root
-        self._emit = emit
-        self._timeout = timeout
-        self._clock = clock
-        self._engines = http or EngineHttp()
-        self._refused: dict[tuple[str, str, str, str], _Refusal] = {}
+    client: KubeClient
+    emit: EventSink
+    _: KW_ONLY
+    config: OperatorConfig = DEFAULT_CONFIG
+    engine_key_root: str = ""
+    timeout: float = 120.0
+    clock: Callable[[], float] = time.monotonic
+    http: EngineHttp = field(default_factory=EngineHttp)
+    _refused: dict[tuple[str, str, str, str], _Refusal] = field(default_factory=dict, init=False)
 
     async def close(self) -> None:
-        await self._engines.close()
+        await self.http.close()
 
-    def _http(self) -> aiohttp.ClientSession:
-        return self._engines.session()
+    def _session(self) -> aiohttp.ClientSession:
+        return self.http.session()
 
     async def step(self, body: Mapping[str, Any]) -> list[AdapterStatus] | None:
         """One pass over one LLMDeployment; its adapters' states (None when it has no LoRA,
@@ -223,8 +214,9 @@ class AdapterLoader:
     async def _key_headers(self, body: Mapping[str, Any], namespace: str, name: str) -> dict:
         """The LLMDeployment's engine key: derived from the fleet's root, else its Secret's."""
         uid = (body.get("metadata") or {}).get("uid")
-        if self._root and uid:
-            return {"Authorization": f"Bearer {engine_key(self._root, namespace, name, uid)}"}
+        if self.engine_key_root and uid:
+            key = engine_key(self.engine_key_root, namespace, name, uid)
+            return {"Authorization": f"Bearer {key}"}
         secret = await self.client.get(SECRETS, engine_key_secret(name), namespace)
         encoded = ((secret or {}).get("data") or {}).get(ENGINE_KEY_FIELD)
         if not encoded:
@@ -244,16 +236,16 @@ class AdapterLoader:
         headers = await self._key_headers(body, namespace, name) if urls else {}
         wanted = {a.name for a in cr.spec.adapters}
         loaded = dict.fromkeys(placed, 0)
-        now = self._clock()
+        now = self.clock()
         for url in urls.values():
             try:
-                held = await list_adapters(self._http(), url, headers=headers)
+                held = await list_adapters(self._session(), url, headers=headers)
             except AdapterError as exc:
                 logger.info("replica unreadable", extra={"replica": url, "error": exc.message})
                 continue
             for stale in sorted(set(held) - wanted):
                 try:
-                    await unload_adapter(self._http(), url, stale, headers=headers)
+                    await unload_adapter(self._session(), url, stale, headers=headers)
                 except AdapterError as exc:
                     logger.warning(
                         "adapter not unloaded",
@@ -267,7 +259,12 @@ class AdapterLoader:
                 elif refusal is None or now >= refusal.until:
                     try:
                         await load_adapter(
-                            self._http(), url, adapter, path, headers=headers, timeout=self._timeout
+                            self._session(),
+                            url,
+                            adapter,
+                            path,
+                            headers=headers,
+                            timeout=self.timeout,
                         )
                     except AdapterError as exc:
                         if not exc.transient:
@@ -319,7 +316,7 @@ class AdapterLoader:
                 continue
             kind = "Warning" if status.state == "Failed" else "Normal"
             message = f"adapter {status.name}: {status.message}"
-            await self._emit(dict(body), kind, f"Adapter{status.state}", message)
+            await self.emit(dict(body), kind, f"Adapter{status.state}", message)
 
     async def _stand_down(self, body: Mapping[str, Any], namespace: str, name: str) -> None:
         """No LoRA any more: its pull Jobs and its status.adapters go."""

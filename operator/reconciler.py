@@ -148,27 +148,24 @@ class Outcome:
     status_written: bool = False
 
 
+@dataclass(eq=False)
 class Reconciler:
-    def __init__(
-        self,
-        client: KubeClient,
-        emit: EventSink,
-        clock: Callable[[], str] = utcnow,
-        config: OperatorConfig = DEFAULT_CONFIG,
-        engine_key_root: str = "",
-    ) -> None:
-        self.client = client
-        self.config = config
-        self._engine_key_root = engine_key_root
-        self._emit = emit
-        self._clock = clock
-        # Child events and LLMDeployment events for one object arrive on different watch
-        # streams; one reconcile at a time per object keeps their reads and writes ordered.
-        self._locks: dict[tuple[str, str], asyncio.Lock] = collections.defaultdict(asyncio.Lock)
-        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
-        # LLMDeployments whose children's names are taken by objects they do not own; a
-        # foreign object's removal raises no event here, so these are retried on a timer.
-        self.conflicted: set[tuple[str, str]] = set()
+    client: KubeClient
+    emit: EventSink
+    clock: Callable[[], str] = utcnow
+    config: OperatorConfig = DEFAULT_CONFIG
+    engine_key_root: str = ""
+    # Child events and LLMDeployment events for one object arrive on different watch
+    # streams; one reconcile at a time per object keeps their reads and writes ordered.
+    _locks: dict[tuple[str, str], asyncio.Lock] = field(
+        default_factory=lambda: collections.defaultdict(asyncio.Lock), init=False
+    )
+    counts: collections.Counter[tuple[str, str]] = field(
+        default_factory=collections.Counter, init=False
+    )
+    # LLMDeployments whose children's names are taken by objects they do not own; a
+    # foreign object's removal raises no event here, so these are retried on a timer.
+    conflicted: set[tuple[str, str]] = field(default_factory=set, init=False)
 
     async def reconcile(self, namespace: str, name: str) -> Outcome | None:
         """Bring one LLMDeployment's children and status in line; None if it is gone."""
@@ -226,8 +223,8 @@ class Reconciler:
         if isinstance(outcome, Plan) and cr is not None and not result.conflicts:
             # The key first: the engine pods read it at start.
             desired_objects = []
-            if self._engine_key_root or live["Secret"] is None:
-                desired_objects.append(new_key_secret(cr, self._engine_key_root))
+            if self.engine_key_root or live["Secret"] is None:
+                desired_objects.append(new_key_secret(cr, self.engine_key_root))
             for desired in desired_objects + render(cr, outcome, self.config):
                 desired["metadata"].setdefault("namespace", namespace)
                 kind, child = desired["kind"], desired["metadata"]["name"]
@@ -267,7 +264,7 @@ class Reconciler:
             outcome,
             live["Deployment"],
             old_status,
-            self._clock(),
+            self.clock(),
             conflicts=result.conflicts,
             unavailable=result.unavailable,
             rejected=result.rejected,
@@ -302,7 +299,7 @@ class Reconciler:
                 await self.client.delete(resource, name, namespace)
                 result.deleted.append(f"{kind} {name}")
                 ref = {**body, "apiVersion": body.get("apiVersion", API_VERSION), "kind": KIND}
-                await self._emit(ref, "Normal", "Deleted", f"{kind} {name}")
+                await self.emit(ref, "Normal", "Deleted", f"{kind} {name}")
 
     async def _admit(self, namespace: str, cr: LLMDeployment, planned: Plan) -> Plan | Refusal:
         """The plan, or a refusal naming each field the admin's policy refuses."""
@@ -352,10 +349,10 @@ class Reconciler:
         ref = {**body, "apiVersion": body.get("apiVersion", API_VERSION), "kind": KIND}
         for change in result.applied:
             verb, kind, child = change.split(" ", 2)
-            await self._emit(ref, "Normal", verb, f"{kind} {child}")
+            await self.emit(ref, "Normal", verb, f"{kind} {child}")
         for t in transitions:
             message = f"{t.type} is {t.status}" + (f": {t.message}" if t.message else "")
-            await self._emit(ref, "Warning" if t.warning else "Normal", t.reason, message)
+            await self.emit(ref, "Warning" if t.warning else "Normal", t.reason, message)
         if result.applied or result.deleted or result.status_written:
             logger.info(
                 "reconciled",

@@ -30,7 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from fleetllm.api.contract import ENGINE_PORT, PORT_NAME, selector_string
@@ -120,33 +120,24 @@ def deletion_costs(in_flight: dict[str, float | None]) -> dict[str, int]:
     }
 
 
+@dataclass(eq=False)
 class Scaler:
     """The control law's state per LLMDeployment and the I/O around it."""
 
-    def __init__(
-        self,
-        client: KubeClient,
-        emit: EventSink,
-        *,
-        settings: LawSettings | None = None,
-        scrape_timeout: float = 2.0,
-        clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], str] = utcnow,
-        http: EngineHttp | None = None,
-    ) -> None:
-        self.client = client
-        self._emit = emit
-        self._settings = settings
-        self._scrape_timeout = scrape_timeout
-        self._clock = clock
-        self._wall_clock = wall_clock
-        self._tracked: dict[tuple[str, str], _Tracked] = {}
-        self._http = http or EngineHttp()
-        self.decisions: list[tuple[str, str, Decision]] = []
-        """(namespace, name, decision) of every change written, for tests and logs."""
+    client: KubeClient
+    emit: EventSink
+    _: KW_ONLY
+    settings: LawSettings | None = None
+    scrape_timeout: float = 2.0
+    clock: Callable[[], float] = time.monotonic
+    wall_clock: Callable[[], str] = utcnow
+    http: EngineHttp = field(default_factory=EngineHttp)
+    _tracked: dict[tuple[str, str], _Tracked] = field(default_factory=dict, init=False)
+    decisions: list[tuple[str, str, Decision]] = field(default_factory=list, init=False)
+    """(namespace, name, decision) of every change written, for tests and logs."""
 
     async def close(self) -> None:
-        await self._http.close()
+        await self.http.close()
 
     def forget(self, namespace: str, name: str) -> None:
         self._tracked.pop((namespace, name), None)
@@ -164,7 +155,7 @@ class Scaler:
         assert scaling is not None  # the builtin autoscaler drives only what scaling bounds
         tracked = self._tracked.get((namespace, name))
         if tracked is None or tracked.uid != meta.get("uid"):
-            tracked = _Tracked(uid=meta.get("uid"), law=Autoscaler(self._settings))
+            tracked = _Tracked(uid=meta.get("uid"), law=Autoscaler(self.settings))
             self._tracked[namespace, name] = tracked
 
         scale = await self.client.get_scale(LLMDEPLOYMENTS, name, namespace)
@@ -173,14 +164,14 @@ class Scaler:
             return None
         replicas = int((scale.get("spec") or {}).get("replicas") or 0)
         version = (scale.get("metadata") or {}).get("resourceVersion")
-        now = self._clock()
+        now = self.clock()
         if tracked.replicas == 0 and replicas > 0:
             tracked.demand_time = now  # raised from zero by someone else: the router's demand
         tracked.replicas = replicas
 
         listing = await self.client.list(PODS, namespace, label_selector=selector_string(name))
         urls = ready_pods(listing.items)
-        scraped = await scrape_all(self._http.session(), urls.values(), self._scrape_timeout)
+        scraped = await scrape_all(self.http.session(), urls.values(), self.scrape_timeout)
         samples = {pod: scraped.get(url) for pod, url in urls.items()}
         plan = (body.get("status") or {}).get("plan") or {}
         capacity = plan.get("maxNumSeqs")
@@ -287,13 +278,13 @@ class Scaler:
             },
         )
         record = ScaleRecord(
-            last_scale_time=self._wall_clock(),
+            last_scale_time=self.wall_clock(),
             last_scale_reason=decision.summary[:4096],
             last_scale_change=decision.change,
         )
         await self._patch_status(namespace, name, record.model_dump(by_alias=True, mode="json"))
         reason = EVENT_REASONS[decision.change]
-        await self._emit(body, "Normal", reason, decision.summary)
+        await self.emit(body, "Normal", reason, decision.summary)
 
     async def _patch_status(self, namespace: str, name: str, fields: dict[str, Any]) -> None:
         try:

@@ -7,11 +7,12 @@ import asyncio
 import logging
 import os
 import signal
+from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 from fleetllm.api.contract import ENGINE_KEY_ROOT_ENV
-from fleetllm.logs import configure_logging
+from fleetllm.logs import add_log_level_flag, configure_logging
 from fleetllm.router.config import STRATEGIES, RouterSettings
 
 if TYPE_CHECKING:
@@ -21,6 +22,16 @@ ADMIN_KEY_ENV = "FLEETLLM_ROUTER_ADMIN_KEY"
 UPSTREAM_KEY_ENV = "FLEETLLM_UPSTREAM_API_KEY"
 CACHE_SALT_ENV = "FLEETLLM_ROUTER_CACHE_SALT_SECRET"
 """The key of the per-tenant cache salts; router replicas that share it share caches."""
+
+_DEFAULTS = RouterSettings()
+_TYPES = get_type_hints(RouterSettings)
+
+
+def _setting(group: argparse._ActionsContainer, flag: str, help: str | None = None) -> None:
+    """The flag of the RouterSettings field of its name: the field's type and default are
+    the flag's, so each default has one owner."""
+    name = flag.removeprefix("--").replace("-", "_")
+    group.add_argument(flag, type=_TYPES[name], default=getattr(_DEFAULTS, name), help=help)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,9 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="One OpenAI endpoint for every model of the fleet: routes by model, load "
         "and shared prompt prefix, fails over, and holds requests while a model scales up.",
     )
-    d = RouterSettings()
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
+    _setting(p, "--host")
+    _setting(p, "--port")
 
     g = p.add_argument_group("discovery")
     g.add_argument(
@@ -71,19 +81,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
 
     g = p.add_argument_group("routing (defaults for models that do not set their own)")
-    g.add_argument("--strategy", choices=STRATEGIES, default=d.strategy)
-    g.add_argument(
-        "--load-factor",
-        type=float,
-        default=d.load_factor,
-        help="prefix: no replica above this x mean load (default: %(default)s)",
-    )
-    g.add_argument("--session-header", default=d.session_header)
-    g.add_argument(
+    g.add_argument("--strategy", choices=STRATEGIES, default=_DEFAULTS.strategy)
+    _setting(g, "--load-factor", "prefix: no replica above this x mean load (default: %(default)s)")
+    _setting(g, "--session-header")
+    _setting(
+        g,
         "--prefix-chars",
-        type=int,
-        default=d.prefix_chars,
-        help="prefix: characters of the rendered prompt that key the hash (default: %(default)s)",
+        "prefix: characters of the rendered prompt that key the hash (default: %(default)s)",
     )
     g.add_argument(
         "--tokenizer",
@@ -94,65 +98,38 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tokenizer_config.json, chat_template.jinja), for a model whose discovery names none; "
         "repeatable",
     )
-    g.add_argument(
-        "--kv-index-max-blocks",
-        type=int,
-        default=d.kv_index_max_blocks,
-        help="kv-aware: block keys kept per replica (default: %(default)s)",
+    _setting(
+        g, "--kv-index-max-blocks", "kv-aware: block keys kept per replica (default: %(default)s)"
     )
-    g.add_argument(
+    _setting(
+        g,
         "--kv-events-stale-after",
-        type=float,
-        default=d.kv_events_stale_after,
-        help="kv-aware: seconds after which a replica whose event stream cannot be checked is "
+        "kv-aware: seconds after which a replica whose event stream cannot be checked is "
         "routed by prefix hash (default: %(default)s)",
     )
 
     g = p.add_argument_group("upstream")
-    g.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
-    g.add_argument(
-        "--first-byte-timeout",
-        type=float,
-        default=d.first_byte_timeout,
-        help="streams: seconds until the replica's first event",
-    )
-    g.add_argument(
-        "--request-timeout",
-        type=float,
-        default=d.request_timeout,
-        help="seconds for a whole request, holding and retries included",
-    )
-    g.add_argument("--max-attempts", type=int, default=d.max_attempts)
-    g.add_argument(
-        "--retry-window",
-        type=float,
-        default=d.retry_window,
-        help="no retry starts later than this after arrival",
-    )
-    g.add_argument(
-        "--backoff-max",
-        type=float,
-        default=d.backoff_max,
-        help="longest pause of a failing replica (default: %(default)s s)",
-    )
-    g.add_argument("--scrape-interval", type=float, default=d.scrape_interval)
-    g.add_argument(
+    _setting(g, "--connect-timeout")
+    _setting(g, "--first-byte-timeout", "streams: seconds until the replica's first event")
+    _setting(g, "--request-timeout", "seconds for a whole request, holding and retries included")
+    _setting(g, "--max-attempts")
+    _setting(g, "--retry-window", "no retry starts later than this after arrival")
+    _setting(g, "--backoff-max", "longest pause of a failing replica (default: %(default)s s)")
+    _setting(g, "--scrape-interval")
+    _setting(
+        g,
         "--max-metrics-bytes",
-        type=int,
-        default=d.max_metrics_bytes,
-        help="a replica's /metrics past this is refused and the replica backed off",
+        "a replica's /metrics past this is refused and the replica backed off",
     )
-    g.add_argument(
+    _setting(
+        g,
         "--max-answer-bytes",
-        type=int,
-        default=d.max_answer_bytes,
-        help="a non-streamed answer past this is refused (502) and the replica backed off",
+        "a non-streamed answer past this is refused (502) and the replica backed off",
     )
-    g.add_argument(
+    _setting(
+        g,
         "--max-event-bytes",
-        type=int,
-        default=d.max_event_bytes,
-        help="one stream event past this is refused (502) and the replica backed off",
+        "one stream event past this is refused (502) and the replica backed off",
     )
     g.add_argument(
         "--upstream-api-key",
@@ -162,18 +139,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
 
     g = p.add_argument_group("scale from zero")
-    g.add_argument(
-        "--hold-queue-size",
-        type=int,
-        default=d.hold_queue_size,
-        help="requests held per model while it has no ready replica",
-    )
-    g.add_argument("--hold-timeout", type=float, default=d.hold_timeout)
-    g.add_argument(
-        "--hold-queue-bytes",
-        type=int,
-        default=d.hold_queue_bytes,
-        help="request bytes held per model, together (default: %(default)s)",
+    _setting(g, "--hold-queue-size", "requests held per model while it has no ready replica")
+    _setting(g, "--hold-timeout")
+    _setting(
+        g, "--hold-queue-bytes", "request bytes held per model, together (default: %(default)s)"
     )
 
     g = p.add_argument_group("security")
@@ -203,31 +172,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="serve /metrics without a key even when keys are on (it names every model, "
         "namespace and replica address: keep it off the Ingress)",
     )
-    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    g.add_argument(
+    _setting(g, "--max-body-bytes")
+    _setting(
+        g,
         "--max-inflight-requests",
-        type=int,
-        default=d.max_inflight_requests,
-        help="requests open at once, all keys together; past it 503 (default: %(default)s)",
+        "requests open at once, all keys together; past it 503 (default: %(default)s)",
     )
-    g.add_argument(
+    _setting(
+        g,
         "--max-inflight-bytes",
-        type=int,
-        default=d.max_inflight_bytes,
-        help="request bodies held at once, all keys together; past it 503 (default: %(default)s)",
+        "request bodies held at once, all keys together; past it 503 (default: %(default)s)",
     )
-    g.add_argument(
+    _setting(
+        g,
         "--client-header-timeout",
-        type=float,
-        default=d.client_header_timeout,
-        help="seconds a connection gets to send a request's headers (also the idle keep-alive "
+        "seconds a connection gets to send a request's headers (also the idle keep-alive "
         "time; default: %(default)s)",
     )
-    g.add_argument(
-        "--client-body-timeout",
-        type=float,
-        default=d.client_body_timeout,
-        help="seconds a request's body gets to arrive (default: %(default)s)",
+    _setting(
+        g, "--client-body-timeout", "seconds a request's body gets to arrive (default: %(default)s)"
     )
 
     g = p.add_argument_group("process")
@@ -237,7 +200,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds in-flight requests get to finish on SIGTERM",
     )
-    g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_log_level_flag(g)
     g.add_argument(
         "--no-request-log",
         action="store_true",
@@ -247,39 +210,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
-    return RouterSettings(
-        host=args.host,
-        port=args.port,
-        strategy=args.strategy,
-        load_factor=args.load_factor,
-        session_header=args.session_header,
-        prefix_chars=args.prefix_chars,
-        kv_index_max_blocks=args.kv_index_max_blocks,
-        kv_events_stale_after=args.kv_events_stale_after,
-        tokenizers=tuple(_model_dir(value) for value in args.tokenizer),
-        connect_timeout=args.connect_timeout,
-        first_byte_timeout=args.first_byte_timeout,
-        request_timeout=args.request_timeout,
-        max_attempts=args.max_attempts,
-        retry_window=args.retry_window,
-        backoff_max=args.backoff_max,
-        hold_queue_size=args.hold_queue_size,
-        hold_timeout=args.hold_timeout,
-        hold_queue_bytes=args.hold_queue_bytes,
-        scrape_interval=args.scrape_interval,
-        max_body_bytes=args.max_body_bytes,
-        client_header_timeout=args.client_header_timeout,
-        client_body_timeout=args.client_body_timeout,
-        upstream_api_key=args.upstream_api_key or None,
-        max_metrics_bytes=args.max_metrics_bytes,
-        max_answer_bytes=args.max_answer_bytes,
-        max_event_bytes=args.max_event_bytes,
-        max_inflight_requests=args.max_inflight_requests,
-        max_inflight_bytes=args.max_inflight_bytes,
-        cache_salt_secret=os.environ.get(CACHE_SALT_ENV, "").encode(),
+    # Each flag named after a RouterSettings field (_setting's, --strategy) sets that field;
+    # the others are derived here.
+    flagged = {f.name: getattr(args, f.name) for f in fields(RouterSettings) if f.name in args}
+    derived = {
+        "tokenizers": tuple(_model_dir(value) for value in args.tokenizer),
+        "upstream_api_key": args.upstream_api_key or None,
+        "cache_salt_secret": os.environ.get(CACHE_SALT_ENV, "").encode(),
         # The env only (the chart's `<release>-engine-keys` Secret): never a flag, seen in `ps`.
-        engine_key_root=os.environ.get(ENGINE_KEY_ROOT_ENV, "").encode(),
-    )
+        "engine_key_root": os.environ.get(ENGINE_KEY_ROOT_ENV, "").encode(),
+    }
+    return RouterSettings(**(flagged | derived))
 
 
 def _model_dir(value: str) -> tuple[str, str]:

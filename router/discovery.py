@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -225,22 +225,16 @@ def file_signature(path: Path) -> tuple[int, int, int] | None:
 DemandCallback = Callable[[str], Awaitable[None] | None]
 
 
+@dataclass(eq=False)
 class StaticDiscovery:
     """The fleet from a file. Demand goes to an in-process callback and/or a webhook that
     receives `{"model": NAME}` (the local fleet's supervisor starts a replica)."""
 
-    def __init__(
-        self,
-        path: Path | None,
-        poll_interval: float = 0.5,
-        on_demand: DemandCallback | None = None,
-        demand_webhook: str | None = None,
-    ) -> None:
-        self.path = path
-        self.poll_interval = poll_interval
-        self.on_demand = on_demand
-        self.demand_webhook = demand_webhook
-        self._session: aiohttp.ClientSession | None = None
+    path: Path | None
+    poll_interval: float = 0.5
+    on_demand: DemandCallback | None = None
+    demand_webhook: str | None = None
+    _session: aiohttp.ClientSession | None = field(default=None, init=False)
 
     def load(self) -> dict[str, ModelRoute]:
         return {} if self.path is None else load_static_fleet(self.path)

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -40,22 +40,15 @@ class FeedSettings:
     receive_hwm: int = 256
 
 
+@dataclass(eq=False)
 class KVFeed:
-    def __init__(
-        self,
-        context: zmq.asyncio.Context,
-        endpoint: str,
-        replay_endpoint: str,
-        sequencer: BatchSequencer,
-        settings: FeedSettings,
-    ) -> None:
-        self.context = context
-        self.endpoint = endpoint
-        self.replay_endpoint = replay_endpoint
-        self.sequencer = sequencer
-        self.settings = settings
-        self.fresh_until = -1.0
-        self.batches = 0
+    context: zmq.asyncio.Context
+    endpoint: str
+    replay_endpoint: str
+    sequencer: BatchSequencer
+    settings: FeedSettings
+    fresh_until: float = field(default=-1.0, init=False)
+    batches: int = field(default=0, init=False)
 
     def fresh(self, now: float) -> bool:
         return now < self.fresh_until and self.sequencer.blocks.mismatch is None
@@ -88,7 +81,7 @@ class KVFeed:
             while True:
                 if pending is not None or time.monotonic() >= next_probe:
                     dealer = dealer or self._dealer()
-                    start = self.sequencer.anchor if pending is None else pending.start
+                    start = self.sequencer.check_start if pending is None else pending.start
                     answer, whole = await self._replay(dealer, start)
                     if not whole:
                         dealer.close()

@@ -162,12 +162,15 @@ class BatchSequencer:
     """Applies one replica's batches in sequence order, each once.
 
     Live batches (`on_live`) must follow the last one applied; anything else asks for a
-    replay. A replay starts at the last batch applied (`anchor`): an answer that begins with
-    that very batch (same number, same bytes, its timestamp included) continues the view. Any
-    other answer means the publisher restarted (or its buffer moved past the view): the view
-    is rebuilt from the whole buffer. A hole inside an answer (a batch the publisher dropped)
-    clears the view, which goes on from the batch after the hole. Each loss of history is
-    reported to `on_lost` with its reason.
+    replay. A replay after a gap starts at the last batch applied (`anchor`); the periodic
+    check starts at the last batch a check confirmed (`check_start`), so that it also sees a
+    publisher that restarted and lost its first batch (vLLM's numbering names no publisher:
+    the new one's later batches may follow the old one's numbers). An answer whose batches
+    are, wherever the view has applied the same number, the very same bytes (timestamps
+    included) continues the view. Any other answer means the publisher restarted (or its
+    buffer moved past the view): the view is rebuilt from the whole buffer. A hole inside an
+    answer (a batch the publisher dropped) clears the view, which goes on from the batch after
+    the hole. Each loss of history is reported to `on_lost` with its reason.
     """
 
     def __init__(
@@ -183,12 +186,22 @@ class BatchSequencer:
         self.next_seq: int | None = None
         """The number the next live batch must have; None until the first replay."""
         self._recent: OrderedDict[int, bytes] = OrderedDict()
+        self._checked: int | None = None
+        """The last batch a replay confirmed; None: none since the view (re)started."""
         self.malformed = 0
 
     @property
     def anchor(self) -> int:
-        """Where a replay starts: the last batch applied (to check it), else 0."""
+        """Where a replay after a gap starts: the last batch applied (to check it), else 0."""
         return max(0, (self.next_seq or 0) - 1)
+
+    @property
+    def check_start(self) -> int:
+        """Where the periodic check's replay starts: the last batch a check confirmed, while
+        the view still knows it (else the last applied)."""
+        if self._checked is not None and self._checked in self._recent:
+            return self._checked
+        return self.anchor
 
     def on_live(self, seq: int, payload: bytes) -> Resync | None:
         if self.next_seq is None:
@@ -207,13 +220,17 @@ class BatchSequencer:
         answer shows the view must be rebuilt from the buffer's beginning."""
         if self.next_seq:
             first = batches[0] if batches else None
-            anchor = self.anchor
             if (
                 first is not None
-                and first[0] == anchor
-                and self._recent.get(anchor) == digest(first[1])
+                and first[0] == start
+                and start in self._recent
+                and all(
+                    self._recent[seq] == digest(payload)
+                    for seq, payload in batches
+                    if seq in self._recent
+                )
             ):
-                batches = batches[1:]
+                batches = [(seq, payload) for seq, payload in batches if seq >= self.next_seq]
             else:
                 self._restart()
                 self.on_lost("publisher restarted")
@@ -228,6 +245,7 @@ class BatchSequencer:
                 self.on_lost("batches dropped by the publisher")
                 self.blocks.clear()
             self._apply(seq, payload)
+        self._checked = self.anchor
         return None
 
     def _restart(self) -> None:
@@ -236,6 +254,7 @@ class BatchSequencer:
         self.blocks.mismatch = None
         self.next_seq = None
         self._recent.clear()
+        self._checked = None
 
     def _apply(self, seq: int, payload: bytes) -> None:
         self.next_seq = seq + 1

@@ -14,6 +14,7 @@ from fleetllm.router.endpoints import ENDPOINTS
 from fleetllm.version import __version__
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
+_STRINGS = {"type": "array", "items": {"type": "string"}}
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
@@ -31,13 +32,37 @@ def _errors(*statuses: int) -> dict[str, Any]:
         "capacity (all clients together).",
         504: "The replica did not answer in time.",
     }
-    return {
-        str(s): {
-            "description": reasons[s],
-            "content": {"application/json": {"schema": _ERROR}},
-        }
-        for s in statuses
-    }
+    return {str(s): _json(reasons[s], _ERROR) for s in statuses}
+
+
+def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """An answer whose body is JSON of this schema."""
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _body(schema: dict[str, Any]) -> dict[str, Any]:
+    """A required JSON request body of this schema."""
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"type": "object", "required": required, "properties": properties}
+
+
+# An entry of /v1/models.
+_MODEL = _object(
+    {
+        "id": {"type": "string"},
+        "object": {"type": "string", "enum": ["model"]},
+        "max_model_len": {
+            "type": "integer",
+            "nullable": True,
+            "description": "The context length its replicas serve; null until one said.",
+        },
+        "parent": {"type": "string", "nullable": True},
+    },
+    ["id", "object"],
+)
 
 
 def _generation(kind: str) -> dict[str, Any]:
@@ -47,19 +72,12 @@ def _generation(kind: str) -> dict[str, Any]:
             "description": f"Relayed to a replica of `model`: {kind}. The router needs only a "
             "string `model`; every other field is the replica's to check.",
             "security": [{"bearer": []}, {}],
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {
-                        "schema": {
-                            "type": "object",
-                            "required": ["model"],
-                            "properties": {"model": {"type": "string", "minLength": 1}},
-                            "additionalProperties": True,
-                        }
-                    }
-                },
-            },
+            "requestBody": _body(
+                {
+                    **_object({"model": {"type": "string", "minLength": 1}}, ["model"]),
+                    "additionalProperties": True,
+                }
+            ),
             "responses": {
                 "200": {
                     "description": "The replica's answer, relayed as it came.",
@@ -82,40 +100,18 @@ def openapi_schema(admin: bool) -> dict[str, Any]:
             "get": {
                 "security": [{"bearer": []}, {}],
                 "responses": {
-                    "200": {
-                        "description": "Every model of the fleet, those at zero replicas too, "
-                        "with the context length its replicas report, and their LoRA adapters "
-                        "(each with its model as `parent`).",
-                        "content": {
-                            "application/json": {
-                                "schema": {
-                                    "type": "object",
-                                    "required": ["object", "data"],
-                                    "properties": {
-                                        "object": {"type": "string", "enum": ["list"]},
-                                        "data": {
-                                            "type": "array",
-                                            "items": {
-                                                "type": "object",
-                                                "required": ["id", "object"],
-                                                "properties": {
-                                                    "id": {"type": "string"},
-                                                    "object": {"type": "string", "enum": ["model"]},
-                                                    "max_model_len": {
-                                                        "type": "integer",
-                                                        "nullable": True,
-                                                        "description": "The context length its "
-                                                        "replicas serve; null until one said.",
-                                                    },
-                                                    "parent": {"type": "string", "nullable": True},
-                                                },
-                                            },
-                                        },
-                                    },
-                                }
-                            }
-                        },
-                    },
+                    "200": _json(
+                        "Every model of the fleet, those at zero replicas too, with the context "
+                        "length its replicas report, and their LoRA adapters (each with its "
+                        "model as `parent`).",
+                        _object(
+                            {
+                                "object": {"type": "string", "enum": ["list"]},
+                                "data": {"type": "array", "items": _MODEL},
+                            },
+                            ["object", "data"],
+                        ),
+                    ),
                     **_errors(401),
                 },
             }
@@ -145,18 +141,10 @@ def openapi_schema(admin: bool) -> dict[str, Any]:
                 "security": [{"bearer": []}, {}],
                 "responses": {
                     **_errors(401),
-                    "200": {
-                        "description": "The router's version.",
-                        "content": {
-                            "application/json": {
-                                "schema": {
-                                    "type": "object",
-                                    "required": ["version"],
-                                    "properties": {"version": {"type": "string"}},
-                                }
-                            }
-                        },
-                    },
+                    "200": _json(
+                        "The router's version.",
+                        _object({"version": {"type": "string"}}, ["version"]),
+                    ),
                 },
             }
         },
@@ -164,10 +152,7 @@ def openapi_schema(admin: bool) -> dict[str, Any]:
             "get": {
                 "security": [{"bearer": []}, {}],
                 "responses": {
-                    "200": {
-                        "description": "This document.",
-                        "content": {"application/json": {"schema": {"type": "object"}}},
-                    },
+                    "200": _json("This document.", {"type": "object"}),
                     **_errors(401),
                 },
             }
@@ -178,57 +163,28 @@ def openapi_schema(admin: bool) -> dict[str, Any]:
             "get": {
                 "security": [{"bearer": []}],
                 "responses": {
-                    "200": {
-                        "description": "Each model's replicas and their state.",
-                        "content": {
-                            "application/json": {
-                                "schema": {
-                                    "type": "object",
-                                    "required": ["models"],
-                                    "properties": {"models": {"type": "object"}},
-                                }
-                            }
-                        },
-                    },
+                    "200": _json(
+                        "Each model's replicas and their state.",
+                        _object({"models": {"type": "object"}}, ["models"]),
+                    ),
                     **_errors(401),
                 },
             },
             "put": {
                 "security": [{"bearer": []}],
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "properties": {
-                                    "models": {
-                                        "type": "object",
-                                        "additionalProperties": {
-                                            "type": "array",
-                                            "items": {"type": "string"},
-                                        },
-                                    }
-                                },
-                            }
-                        }
-                    },
-                },
-                "responses": {
-                    "200": {
-                        "description": "The fleet was replaced; its model names.",
-                        "content": {
-                            "application/json": {
-                                "schema": {
-                                    "type": "object",
-                                    "required": ["models"],
-                                    "properties": {
-                                        "models": {"type": "array", "items": {"type": "string"}}
-                                    },
-                                }
-                            }
+                "requestBody": _body(
+                    {
+                        "type": "object",
+                        "properties": {
+                            "models": {"type": "object", "additionalProperties": _STRINGS}
                         },
-                    },
+                    }
+                ),
+                "responses": {
+                    "200": _json(
+                        "The fleet was replaced; its model names.",
+                        _object({"models": _STRINGS}, ["models"]),
+                    ),
                     **_errors(400, 401, 408, 413),
                 },
             },
@@ -266,15 +222,4 @@ def openapi_schema(admin: bool) -> dict[str, Any]:
 
 
 def _status(description: str) -> dict[str, Any]:
-    return {
-        "description": description,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "required": ["status"],
-                    "properties": {"status": {"type": "string"}},
-                }
-            }
-        },
-    }
+    return _json(description, _object({"status": {"type": "string"}}, ["status"]))

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -136,23 +136,20 @@ class _Context:
         return budget or self.replica in self.predicted
 
 
+@dataclass(eq=False)
 class Proxy:
-    def __init__(
-        self,
-        settings: RouterSettings,
-        pool: ReplicaPool,
-        access: Access,
-        metrics: RouterMetrics,
-        log_requests: bool = True,
-    ) -> None:
-        self.settings = settings
-        self.pool = pool
-        self.access = access
-        self.metrics = metrics
-        self.log_requests = log_requests
+    settings: RouterSettings
+    pool: ReplicaPool
+    access: Access
+    metrics: RouterMetrics
+    log_requests: bool = True
+    inflight: InFlight = field(init=False)
+    _session: aiohttp.ClientSession | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        settings = self.settings
         self.inflight = InFlight(settings.max_inflight_requests, settings.max_inflight_bytes)
         self._salt_secret = _salt_secret(settings)
-        self._session: aiohttp.ClientSession | None = None
         # Timeouts past the connect are enforced per phase (first byte, whole request).
         self._upstream_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout

@@ -51,6 +51,9 @@ from fleetllm.api.deployment import GROUP, KIND, PLURAL, VERSION
 
 NAMESPACE = "default"
 CR_RESOURCE = f"{GROUP}/{VERSION}/{PLURAL}"
+# For the tests that use the emulator: kmock 0.8 loads its bundled resource list with a
+# deprecated importlib call.
+KMOCK_WARNINGS = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
 
 
 @attrs.define(kw_only=True)

@@ -83,25 +83,31 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       to_float(qp + seq * heads * dim, query.data(), heads * dim);
       for (int64_t i = 0; i < heads * dim; ++i) query[i] *= fscale;
       probs.resize(heads * len);
-      if (num_blocks > 0) prefetch(kp + table[0] * block_elems, block_bytes);
-
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const T* next = b + 1 < num_blocks ? kp + table[b + 1] * block_elems : nullptr;
-        const T* block = kp + table[b] * block_elems;
-        const int64_t tokens = std::min(block_size, len - b * block_size);
-        for (int64_t j = 0; j < tokens; ++j) {
-          if (next != nullptr) prefetch(next + j * token_elems, token_bytes);
-          to_float(block + j * token_elems, row.data(), token_elems);
-          const int64_t t = b * block_size + j;
-          for (int64_t h = 0; h < heads; ++h) {
-            const float* qh = query.data() + h * dim;
-            const float* kh = row.data() + (h / group) * dim;
-            float dot = 0.f;
-            for (int64_t i = 0; i < dim; ++i) dot += qh[i] * kh[i];
-            probs[h * len + t] = dot;
+      // Calls visit(t) with `row` holding token t's row of `cache` (every KV head, as floats),
+      // for each cached token in order, prefetching the next block's rows while it reads.
+      auto for_each_row = [&](const T* cache, auto&& visit) {
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          const T* next = b + 1 < num_blocks ? cache + table[b + 1] * block_elems : nullptr;
+          const T* block = cache + table[b] * block_elems;
+          const int64_t tokens = std::min(block_size, len - b * block_size);
+          for (int64_t j = 0; j < tokens; ++j) {
+            if (next != nullptr) prefetch(next + j * token_elems, token_bytes);
+            to_float(block + j * token_elems, row.data(), token_elems);
+            visit(b * block_size + j);
           }
         }
-      }
+      };
+      if (num_blocks > 0) prefetch(kp + table[0] * block_elems, block_bytes);
+
+      for_each_row(kp, [&](int64_t t) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* qh = query.data() + h * dim;
+          const float* kh = row.data() + (h / group) * dim;
+          float dot = 0.f;
+          for (int64_t i = 0; i < dim; ++i) dot += qh[i] * kh[i];
+          probs[h * len + t] = dot;
+        }
+      });
       if (num_blocks > 0) prefetch(vp + table[0] * block_elems, block_bytes);
       for (int64_t h = 0; h < heads; ++h) {
         float* p = probs.data() + h * len;
@@ -116,22 +122,14 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
 
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const T* next = b + 1 < num_blocks ? vp + table[b + 1] * block_elems : nullptr;
-        const T* block = vp + table[b] * block_elems;
-        const int64_t tokens = std::min(block_size, len - b * block_size);
-        for (int64_t j = 0; j < tokens; ++j) {
-          if (next != nullptr) prefetch(next + j * token_elems, token_bytes);
-          to_float(block + j * token_elems, row.data(), token_elems);
-          const int64_t t = b * block_size + j;
-          for (int64_t h = 0; h < heads; ++h) {
-            const float weight = probs[h * len + t];
-            const float* vh = row.data() + (h / group) * dim;
-            float* ah = acc.data() + h * dim;
-            for (int64_t i = 0; i < dim; ++i) ah[i] += weight * vh[i];
-          }
+      for_each_row(vp, [&](int64_t t) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const float weight = probs[h * len + t];
+          const float* vh = row.data() + (h / group) * dim;
+          float* ah = acc.data() + h * dim;
+          for (int64_t i = 0; i < dim; ++i) ah[i] += weight * vh[i];
         }
-      }
+      });
       from_float(acc.data(), op + seq * heads * dim, heads * dim);
     }
   });

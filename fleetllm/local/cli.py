@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fleetllm.logs import add_log_level_flag
+
 if TYPE_CHECKING:
     from fleetllm.local.launch import LocalModel
     from fleetllm.local.status import RecentEvents
@@ -67,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds open requests get to finish on Ctrl-C/SIGTERM (default: %(default)s)",
     )
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_log_level_flag(p)
     p.set_defaults(func=cmd_up)
 
 

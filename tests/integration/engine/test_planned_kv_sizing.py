@@ -3,6 +3,7 @@ the same block count, the same bytes per token, on the planned device."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ from fleetllm.api.catalog import GPU_TYPES
 from fleetllm.api.deployment import LLMDeploymentSpec
 from fleetllm.api.manifests import load_llmdeployments
 from fleetllm.cli import build_parser
+from fleetllm.engine.cli import config_from_args
 from fleetllm.engine.config import DTYPES, EngineConfig, ModelConfig
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.planner.plan import plan
@@ -18,26 +20,16 @@ from fleetllm.planner.plan import plan
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _engine_config(args: list[str]) -> EngineConfig:
+def _engine_config(args: Sequence[str]) -> EngineConfig:
     """What `fleetllm engine serve` makes of the planned arguments."""
-    parsed = build_parser().parse_args(["engine", "serve", *args])
-    return EngineConfig(
-        model=parsed.model,
-        dtype=parsed.dtype,
-        max_model_len=parsed.max_model_len,
-        block_size=parsed.block_size,
-        num_kv_blocks=parsed.num_kv_blocks,
-        max_num_seqs=parsed.max_num_seqs,
-        max_num_batched_tokens=parsed.max_num_batched_tokens,
-        device=parsed.device,
-    )
+    return config_from_args(build_parser().parse_args(["engine", "serve", *args]))
 
 
 def test_the_engine_allocates_the_planned_kv_cache() -> None:
     (cr,) = load_llmdeployments(ROOT / "manifests" / "examples" / "smollm2-cpu.yaml")
     planned = plan(cr.spec)
     status = planned.status
-    config = _engine_config(list(planned.args))
+    config = _engine_config(planned.args)
     assert config.device == status.device == "cpu"
     engine = LLMEngine(config)
     assert engine.kv.num_blocks == status.num_kv_blocks
@@ -64,7 +56,7 @@ def test_a_gpu_plan_counts_kv_bytes_as_the_engine_does(smollm2_dir: Path) -> Non
             }
         )
         planned = plan(spec)
-        config = _engine_config(list(planned.args))
+        config = _engine_config(planned.args)
         assert config.device == "cuda" and GPU_TYPES[gpu].is_gpu
         assert config.num_kv_blocks == planned.status.num_kv_blocks
         dtype: torch.dtype = DTYPES[config.dtype]

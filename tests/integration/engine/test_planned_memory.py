@@ -10,7 +10,7 @@ import pytest
 import torch
 from tinymodels import arch_of, build_hf_model
 
-from fleetllm.api.catalog import MODELS, ModelArch
+from fleetllm.api.catalog import MODELS
 from fleetllm.engine import sizing
 from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.cpu_linear import packing_supported
@@ -108,19 +108,8 @@ def test_padded_vocabulary_shards_equal_the_planners(tmp_path: Path) -> None:
         "tie_word_embeddings": False,
     }
     build_hf_model("qwen2", config).save_pretrained(tmp_path, safe_serialization=True)
-    arch = ModelArch(
-        name="tiny",
-        num_layers=2,
-        hidden_size=96,
-        num_heads=6,
-        num_kv_heads=3,
-        head_dim=16,
-        vocab_size=250,
-        max_position=1024,
-        intermediate_size=132,
-        tied_embeddings=False,
-        qkv_bias=True,
-    )
+    arch = arch_of(tmp_path)
+    assert arch.qkv_bias and not arch.tied_embeddings
     for weights in ("none", "int8"):
         planned = builtin_weight_bytes(arch, tensor=3, weights=weights, dtype="float32")
         formulas = engine_formulas(tmp_path, 3, "float32", weights, "auto")

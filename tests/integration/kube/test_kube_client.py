@@ -18,10 +18,11 @@ import kmock
 import pytest
 import pytest_asyncio
 import trustme
-from kubeapi import CR_RESOURCE, EmulatedApiServer, emulated_api, eventually
+from deployment_manifests import smollm2
+from kubeapi import CR_RESOURCE, KMOCK_WARNINGS, EmulatedApiServer, emulated_api, eventually
 from kubelogin import ExecPlugin, kubeconfig_for
 
-from fleetllm.api.deployment import API_VERSION, KIND, LLMDEPLOYMENTS
+from fleetllm.api.deployment import KIND, LLMDEPLOYMENTS
 from fleetllm.kube import login
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.errors import ApiError
@@ -30,11 +31,7 @@ from fleetllm.kube.login import load_credentials
 from fleetllm.kube.resources import CONFIGMAPS, DEPLOYMENTS
 from fleetllm.kube.watch import Backoff, Resync, WatchEvent
 
-pytestmark = [
-    pytest.mark.asyncio,
-    # kmock 0.8 loads its bundled resource list with a deprecated importlib call.
-    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
-]
+pytestmark = [pytest.mark.asyncio, KMOCK_WARNINGS]
 
 NS = "default"
 AGENT = "fleetllm-test"
@@ -302,16 +299,7 @@ async def test_follow_backs_off_on_watch_errors(api: EmulatedApiServer, tmp_path
 
 
 def _llmdeployment(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {
-            "model": {"name": "smollm2-135m", "source": "builtin://smollm2-135m"},
-            "gpu": {"type": "cpu"},
-            "replicas": 1,
-        },
-    }
+    return smollm2(name, NS, replicas=1)
 
 
 async def test_writes_scale_status_and_events(api: EmulatedApiServer, tmp_path: Path) -> None:

@@ -11,11 +11,11 @@ from typing import Any
 
 import kmock
 from aiohttp import web
+from deployment_manifests import smollm2
 from engine_stats import load_stats
 from kubeapi import CR_RESOURCE, NAMESPACE, EmulatedApiServer
 
 from fleetllm.api.contract import selector_labels
-from fleetllm.api.deployment import API_VERSION, KIND
 from fleetllm.api.status import AdapterRecord, ReconciledStatus, ScaleRecord, field_names
 from fleetllm.engine.engine_stats import EngineStats
 from fleetllm.engine.metrics import EngineMetrics
@@ -27,21 +27,18 @@ MODEL = "smollm2-135m"
 DEPLOYMENTS = "apps/v1/deployments"
 CRS = "/apis/fleetllm.io/v1alpha1/namespaces/default/llmdeployments"
 CR = "fleetllm.io/v1alpha1/llmdeployments"
+MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
+
+
+async def merge_patch(api: EmulatedApiServer, path: str, patch: dict[str, Any]) -> None:
+    """A merge patch through the API server (as `kubectl patch --type merge`); it must apply."""
+    async with api.patch(path, json=patch, headers=MERGE_PATCH) as response:
+        assert response.status == 200, await response.text()
 
 
 def smollm2_cr(replicas: int) -> dict[str, Any]:
     """The LLMDeployment `smol` in `default`: SmolLM2 on the CPU with `replicas` replicas."""
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "metadata": {"name": "smol", "namespace": "default"},
-        "spec": {
-            "model": {"name": MODEL, "source": f"builtin://{MODEL}"},
-            "gpu": {"type": "cpu"},
-            "maxModelLen": 4096,
-            "replicas": replicas,
-        },
-    }
+    return smollm2("smol", "default", maxModelLen=4096, replicas=replicas)
 
 
 STATUS_WRITERS = {
@@ -210,7 +207,7 @@ class Controllers:
         async with self.api.patch(
             f"{self.pods_path}/{pod}/status",
             json={"status": status},
-            headers={"Content-Type": "application/merge-patch+json"},
+            headers=MERGE_PATCH,
         ) as response:
             assert response.status in (200, 404), await response.text()
 
@@ -219,10 +216,13 @@ class Controllers:
         return f"/api/v1/namespaces/{self.namespace}/pods"
 
     def pods(self) -> list[dict[str, Any]]:
+        """The pods the engine Deployment selects (a pull Job's pod carries another
+        component label, as in a cluster)."""
+        selector = selector_labels(self.name).items()
         return [
             p
             for p in self.api.list("v1/pods")
-            if (p["metadata"].get("labels") or {}).get("app.kubernetes.io/instance") == self.name
+            if selector <= (p["metadata"].get("labels") or {}).items()
             and p["metadata"].get("namespace") == self.namespace
         ]
 

@@ -14,17 +14,14 @@ from typing import Any
 
 import kmock
 import pytest
-from kubeapi import CR_RESOURCE, NAMESPACE, EmulatedApiServer
-from operator_testkit import DEPLOYMENTS, Controllers, Load, smollm2_cr
+from kubeapi import CR_RESOURCE, KMOCK_WARNINGS, NAMESPACE, EmulatedApiServer
+from operator_testkit import DEPLOYMENTS, Controllers, Load, merge_patch, smollm2_cr
 
 from fleetllm.operator.adapter_loader import FIELD_MANAGER
 from fleetllm.planner.placement import MODEL_CACHE_MOUNT
 from fleetllm.planner.settings import ModelCache, OperatorConfig
 
-pytestmark = [
-    pytest.mark.asyncio,
-    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
-]
+pytestmark = [pytest.mark.asyncio, KMOCK_WARNINGS]
 
 CRS = f"/apis/fleetllm.io/v1alpha1/namespaces/{NAMESPACE}/llmdeployments"
 JOBS = "batch/v1/jobs"
@@ -39,12 +36,7 @@ REFUSAL = "LoRA rank 64 is greater than max_lora_rank 16."
 
 
 async def _patch(api: EmulatedApiServer, name: str, spec: dict[str, Any]) -> None:
-    async with api.patch(
-        f"{CRS}/{name}",
-        json={"spec": spec},
-        headers={"Content-Type": "application/merge-patch+json"},
-    ) as response:
-        assert response.status == 200, await response.text()
+    await merge_patch(api, f"{CRS}/{name}", {"spec": spec})
 
 
 def _adapters(api: EmulatedApiServer) -> dict[str, dict[str, Any]]:
@@ -100,10 +92,7 @@ async def _finish_job(api: EmulatedApiServer, job: dict[str, Any], said: str | N
             }
         }
         pod_path = f"/api/v1/namespaces/{NAMESPACE}/pods/{name}-x1/status"
-        async with api.patch(
-            pod_path, json=pod_status, headers={"Content-Type": "application/merge-patch+json"}
-        ) as response:
-            assert response.status == 200, await response.text()
+        await merge_patch(api, pod_path, pod_status)
         failed = {
             "type": "Failed",
             "status": "True",
@@ -111,10 +100,7 @@ async def _finish_job(api: EmulatedApiServer, job: dict[str, Any], said: str | N
             "message": "Job has reached the specified backoff limit",
         }
         status = {"failed": 3, "conditions": [failed]}
-    async with api.patch(
-        path, json={"status": status}, headers={"Content-Type": "application/merge-patch+json"}
-    ) as response:
-        assert response.status == 200, await response.text()
+    await merge_patch(api, path, {"status": status})
 
 
 def _deployment_writes(api: EmulatedApiServer) -> int:

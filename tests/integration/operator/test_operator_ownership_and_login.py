@@ -8,16 +8,13 @@ from typing import Any
 
 import kmock
 import pytest
+from kubeapi import KMOCK_WARNINGS
 from kubelogin import ExecPlugin, kubeconfig_for
 from operator_testkit import CR, CRS, smollm2_cr
 
 from fleetllm.api.deployment import API_VERSION, KIND
 
-pytestmark = [
-    pytest.mark.asyncio,
-    # kmock 0.8 loads its bundled resource list with a deprecated importlib call.
-    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
-]
+pytestmark = [pytest.mark.asyncio, KMOCK_WARNINGS]
 
 CHILDREN = {
     "Deployment": "apps/v1/deployments",

@@ -35,10 +35,10 @@ import kmock
 import pytest
 from helmchart import NAMESPACE as RELEASE_NAMESPACE
 from helmchart import by_kind, render
-from kubeapi import EmulatedApiServer
+from kubeapi import KMOCK_WARNINGS, EmulatedApiServer
 from kubelogin import kubeconfig_for
 from local_services import free_port, stop_process
-from operator_testkit import Load
+from operator_testkit import Load, merge_patch
 from rbac import Attributes, Grant, allows, attributes, grants, wildcards
 
 from fleetllm.api.deployment import API_VERSION, GROUP, KIND, PLURAL, VERSION
@@ -49,7 +49,7 @@ from fleetllm.planner.settings import ModelCache, OperatorConfig
 pytestmark = [
     pytest.mark.asyncio,
     pytest.mark.slow,  # about 20 s per install mode
-    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
+    KMOCK_WARNINGS,
 ]
 
 CLUSTER_NAMESPACES = ["default", "team-x"]
@@ -151,9 +151,7 @@ def _llmdeployment(
 
 async def _patch_scaling(api: EmulatedApiServer, namespace: str, scaling: Any) -> None:
     path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/viahpa"
-    headers = {"Content-Type": "application/merge-patch+json"}
-    async with api.patch(path, json={"spec": {"scaling": scaling}}, headers=headers) as response:
-        assert response.status == 200, await response.text()
+    await merge_patch(api, path, {"spec": {"scaling": scaling}})
 
 
 class RouterProcess:
@@ -314,9 +312,7 @@ async def _adapter_pulled_loaded_and_removed(
     for job in jobs():
         meta = job["metadata"]
         path = f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs/{meta['name']}/status"
-        headers = {"Content-Type": "application/merge-patch+json"}
-        async with api.patch(path, json={"status": {"succeeded": 1}}, headers=headers) as answer:
-            assert answer.status == 200, await answer.text()
+        await merge_patch(api, path, {"status": {"succeeded": 1}})
 
     def pulled() -> bool:
         return all(
@@ -328,9 +324,7 @@ async def _adapter_pulled_loaded_and_removed(
     await eventually(pulled, "each adapter pulled, waiting for a replica", 60)
     for namespace in homes:
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/lora"
-        headers = {"Content-Type": "application/merge-patch+json"}
-        async with api.patch(path, json={"spec": {"adapters": []}}, headers=headers) as answer:
-            assert answer.status == 200, await answer.text()
+        await merge_patch(api, path, {"spec": {"adapters": []}})
     await eventually(lambda: not jobs(), "the pull Jobs deleted", 60)
 
 

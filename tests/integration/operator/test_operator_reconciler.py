@@ -7,17 +7,13 @@ import json
 from typing import Any
 
 import pytest
-from operator_testkit import CR, CRS, smollm2_cr
+from kubeapi import KMOCK_WARNINGS
+from operator_testkit import CR, CRS, DEPLOYMENTS, merge_patch, smollm2_cr
 
 from fleetllm.api.deployment import KIND
 
-pytestmark = [
-    pytest.mark.asyncio,
-    # kmock 0.8 loads its bundled resource list with a deprecated importlib call.
-    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
-]
+pytestmark = [pytest.mark.asyncio, KMOCK_WARNINGS]
 
-DEPLOYMENTS = "apps/v1/deployments"
 SERVICES = "v1/services"
 CONFIGMAPS = "v1/configmaps"
 PDBS = "policy/v1/poddisruptionbudgets"
@@ -121,12 +117,11 @@ async def test_create_update_recreate_and_restart(
         "readyReplicas": 2,
         "availableReplicas": 2,
     }
-    async with api.patch(
+    await merge_patch(
+        api,
         "/apis/apps/v1/namespaces/default/deployments/smol-engine/status",
-        json={"status": dep_status},
-        headers={"Content-Type": "application/merge-patch+json"},
-    ) as response:
-        assert response.status == 200
+        {"status": dep_status},
+    )
     cr = await eventually(
         lambda: (c := api.get(CR, "smol")) and c["status"].get("readyReplicas") == 2 and c,
         "readyReplicas follows the Deployment",
@@ -139,12 +134,7 @@ async def test_create_update_recreate_and_restart(
     generation = cr["metadata"]["generation"]
     writes_before = len(api.writes())
     service_rv = api.get(SERVICES, "smol")["metadata"]["resourceVersion"]
-    async with api.patch(
-        f"{CRS}/smol",
-        json={"spec": {"maxModelLen": 2048}},
-        headers={"Content-Type": "application/merge-patch+json"},
-    ) as response:
-        assert response.status == 200
+    await merge_patch(api, f"{CRS}/smol", {"spec": {"maxModelLen": 2048}})
     await eventually(
         lambda: _arg(api.get(DEPLOYMENTS, "smol-engine"), "--max-model-len") == "2048",
         "Deployment args follow maxModelLen",
@@ -189,12 +179,11 @@ async def test_create_update_recreate_and_restart(
     # Deployment) writes nothing.
     settled_count = operator.reconciles("smol")
     writes_before = len(api.writes())
-    async with api.patch(
+    await merge_patch(
+        api,
         "/apis/apps/v1/namespaces/default/deployments/smol-engine",
-        json={"metadata": {"annotations": {"other-controller/seen": "yes"}}},
-        headers={"Content-Type": "application/merge-patch+json"},
-    ) as response:
-        assert response.status == 200
+        {"metadata": {"annotations": {"other-controller/seen": "yes"}}},
+    )
     await eventually(
         lambda: operator.reconciles("smol") > settled_count, "a reconcile after the touch"
     )
@@ -244,12 +233,7 @@ async def test_unplannable_gets_planned_false_and_no_children(
     assert child_writes == []
 
     # Fixing the spec plans it and creates the children.
-    async with api.patch(
-        f"{CRS}/too-big",
-        json={"spec": {"parallelism": {"tensor": 4}}},
-        headers={"Content-Type": "application/merge-patch+json"},
-    ) as response:
-        assert response.status == 200
+    await merge_patch(api, f"{CRS}/too-big", {"spec": {"parallelism": {"tensor": 4}}})
     await eventually(lambda: all(_children(api, "too-big").values()), "children after the fix")
     deployment = api.get(DEPLOYMENTS, "too-big-engine")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
@@ -301,12 +285,7 @@ async def test_a_claim_two_replicas_cannot_share_is_refused_with_the_reason(
     assert all(child is None for child in _children(api, "on-claim").values())
 
     # One replica can use it.
-    async with api.patch(
-        f"{CRS}/on-claim",
-        json={"spec": {"replicas": 1}},
-        headers={"Content-Type": "application/merge-patch+json"},
-    ) as response:
-        assert response.status == 200
+    await merge_patch(api, f"{CRS}/on-claim", {"spec": {"replicas": 1}})
     await eventually(lambda: all(_children(api, "on-claim").values()), "children with 1 replica")
     deployment = api.get(DEPLOYMENTS, "on-claim-engine")
     assert _arg(deployment, "--model") == "/models/smollm2"
@@ -342,12 +321,7 @@ async def test_a_child_the_api_server_refuses_is_reported_in_the_status(
     assert children["Service"] is not None and children["ConfigMap"] is not None
     await eventually(lambda: _events(api, "Rejected", "preferredSoon"), "a Warning Event")
 
-    async with api.patch(
-        f"{CRS}/bad-pod",
-        json={"spec": {"pod": {"affinity": None}}},
-        headers={"Content-Type": "application/merge-patch+json"},
-    ) as response:
-        assert response.status == 200
+    await merge_patch(api, f"{CRS}/bad-pod", {"spec": {"pod": {"affinity": None}}})
     await eventually(lambda: api.get(DEPLOYMENTS, "bad-pod-engine"), "the Deployment after the fix")
     await eventually(
         lambda: _condition(api.get(CR, "bad-pod"), "Degraded")["status"] == "False",
@@ -392,12 +366,7 @@ async def test_builtin_parallel_int8_and_speculative_specs_are_refused_or_render
     )
 
     async def patch(spec: dict[str, Any]) -> None:
-        async with api.patch(
-            f"{CRS}/smol-tp",
-            json={"spec": spec},
-            headers={"Content-Type": "application/merge-patch+json"},
-        ) as response:
-            assert response.status == 200
+        await merge_patch(api, f"{CRS}/smol-tp", {"spec": spec})
 
     bad = {"numSpeculativeTokens": 4, "promptLookupMax": 2, "promptLookupMin": 5}
     await patch({"parallelism": {"tensor": 3}, "speculative": bad})

@@ -14,9 +14,10 @@ from typing import Any
 import kmock
 import pytest
 import yaml
-from kubeapi import CR_RESOURCE, NAMESPACE, EmulatedApiServer
+from deployment_manifests import smollm2
+from kubeapi import CR_RESOURCE, KMOCK_WARNINGS, NAMESPACE, EmulatedApiServer
 from openapi_schema_validator import OAS30Validator
-from operator_testkit import DEPLOYMENTS, MODEL, Load, status_writers
+from operator_testkit import DEPLOYMENTS, MODEL, Load, merge_patch, status_writers
 
 from fleetllm.api.deployment import API_VERSION, KIND
 from fleetllm.kube.client import DEFAULT_FIELD_MANAGER, KubeClient
@@ -24,10 +25,7 @@ from fleetllm.kube.login import load_credentials
 from fleetllm.operator.scaler import FIELD_MANAGER, POD_DELETION_COST
 from fleetllm.router.discovery import KubernetesDiscovery, ModelRoute
 
-pytestmark = [
-    pytest.mark.asyncio,
-    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
-]
+pytestmark = [pytest.mark.asyncio, KMOCK_WARNINGS]
 
 ROOT = Path(__file__).resolve().parents[3]
 CRS = f"/apis/fleetllm.io/v1alpha1/namespaces/{NAMESPACE}/llmdeployments"
@@ -36,15 +34,10 @@ KEDA_SCHEMA = ROOT / "tests" / "data" / "keda" / "scaledobject-v1alpha1-schema.y
 
 
 def llmdeployment(name: str, replicas: int, scaling: dict[str, Any] | None) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "model": {"name": MODEL, "source": "builtin://smollm2-135m"},
-        "gpu": {"type": "cpu"},
-        "maxModelLen": 4096,
-        "replicas": replicas,
-    }
+    cr = smollm2(name, served_name=MODEL, maxModelLen=4096, replicas=replicas)
     if scaling is not None:
-        spec["scaling"] = scaling
-    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec}
+        cr["spec"]["scaling"] = scaling
+    return cr
 
 
 async def _create(api: EmulatedApiServer, body: dict[str, Any]) -> None:
@@ -75,12 +68,7 @@ def _scale_writes(api: EmulatedApiServer, name: str) -> list[Any]:
 
 
 async def _set_mode(api: EmulatedApiServer, name: str, mode: str) -> None:
-    async with api.patch(
-        f"{CRS}/{name}",
-        json={"spec": {"scaling": {"mode": mode}}},
-        headers={"Content-Type": "application/merge-patch+json"},
-    ) as response:
-        assert response.status == 200, await response.text()
+    await merge_patch(api, f"{CRS}/{name}", {"spec": {"scaling": {"mode": mode}}})
 
 
 def _condition(cr: dict[str, Any], ctype: str) -> dict[str, Any]:

@@ -17,40 +17,25 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from kubeapi import EmulatedApiServer
+from deployment_manifests import smollm2
+from kubeapi import KMOCK_WARNINGS, EmulatedApiServer
 from kubelogin import kubeconfig_for
+from operator_testkit import CR, CRS, DEPLOYMENTS, merge_patch
 
 from fleetllm.api.contract import engine_key
-from fleetllm.api.deployment import API_VERSION, KIND
 from fleetllm.kube.client import KubeClient
 from fleetllm.kube.login import load_credentials
 from fleetllm.operator.handlers import make_settings
 from fleetllm.operator.reconciler import Reconciler
 from fleetllm.operator.retry import Backoff, reconcile_until_done
 
-pytestmark = [
-    pytest.mark.asyncio,
-    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
-]
+pytestmark = [pytest.mark.asyncio, KMOCK_WARNINGS]
 
-CRS = "/apis/fleetllm.io/v1alpha1/namespaces/default/llmdeployments"
-CR = "fleetllm.io/v1alpha1/llmdeployments"
-DEPLOYMENTS = "apps/v1/deployments"
 SECRETS = "v1/secrets"
 NETWORKPOLICIES = "networking.k8s.io/v1/networkpolicies"
 AGENT = "fleetllm-operator-test"
-MERGE = {"Content-Type": "application/merge-patch+json"}
 
-SMOL: dict[str, Any] = {
-    "apiVersion": API_VERSION,
-    "kind": KIND,
-    "metadata": {"name": "smol", "namespace": "default"},
-    "spec": {
-        "model": {"name": "smollm2-135m", "source": "builtin://smollm2-135m"},
-        "gpu": {"type": "cpu"},
-        "maxModelLen": 4096,
-    },
-}
+SMOL = smollm2("smol", "default", maxModelLen=4096)
 
 
 @pytest_asyncio.fixture()
@@ -133,12 +118,11 @@ async def test_engine_env_reads_only_secrets_the_admin_labelled(
         assert "spec.engine.env[0].valueFrom.secretKeyRef: Secret hf" in planned["message"]
         assert api.get(DEPLOYMENTS, "smol-engine") is None
     # The admin labels it: applied.
-    async with api.patch(
+    await merge_patch(
+        api,
         "/api/v1/namespaces/default/secrets/hf",
-        json={"metadata": {"labels": {"fleetllm.io/engine-env": "true"}}},
-        headers=MERGE,
-    ) as response:
-        assert response.status == 200
+        {"metadata": {"labels": {"fleetllm.io/engine-env": "true"}}},
+    )
     await reconciler.reconcile("default", "smol")
     status = api.get(CR, "smol")["status"]
     assert status["observedGeneration"] == api.get(CR, "smol")["metadata"]["generation"]
@@ -157,8 +141,7 @@ async def test_the_key_secret_is_made_once_and_owned(
     key = secret.get("stringData", secret.get("data"))
     # Later reconciles (a spec change included) never write it again: the key stays.
     writes = len(api.writes())
-    async with api.patch(f"{CRS}/smol", json={"spec": {"maxModelLen": 2048}}, headers=MERGE) as r:
-        assert r.status == 200
+    await merge_patch(api, f"{CRS}/smol", {"spec": {"maxModelLen": 2048}})
     await reconciler.reconcile("default", "smol")
     assert not [w for w in api.writes()[writes:] if "secrets" in str(w.url)]
     again = api.get(SECRETS, "smol-engine-key")
@@ -172,7 +155,7 @@ async def test_with_a_root_the_key_is_derived_and_follows_a_rotation(
     await _create(api, SMOL)
     uid = api.get(CR, "smol")["metadata"]["uid"]
     for root in ("first-root", "rotated-root"):
-        derived = Reconciler(reconciler.client, emit=reconciler._emit, engine_key_root=root)
+        derived = Reconciler(reconciler.client, emit=reconciler.emit, engine_key_root=root)
         outcome = await derived.reconcile("default", "smol")
         assert outcome is not None and outcome.planned
         data = api.get(SECRETS, "smol-engine-key")["data"]["api-key"]
@@ -199,10 +182,7 @@ async def test_an_update_made_during_a_ten_minute_outage_is_applied_after_it(
         delays.append(seconds)
         if clock < 60 <= clock + seconds:
             # A minute into the outage, someone updates the LLMDeployment.
-            async with api.patch(
-                f"{CRS}/smol", json={"spec": {"maxModelLen": 2048}}, headers=MERGE
-            ) as response:
-                assert response.status == 200
+            await merge_patch(api, f"{CRS}/smol", {"spec": {"maxModelLen": 2048}})
         clock += seconds
         if clock >= 600:
             api.outage_agents = ()
@@ -252,8 +232,7 @@ async def test_the_operator_waits_out_a_ten_minute_outage_and_applies_the_update
         return sum(1 for agent, _ in api.authorizations if agent.startswith(agents))
 
     await asyncio.sleep(60 / rate)
-    async with api.patch(f"{CRS}/smol", json={"spec": {"maxModelLen": 2048}}, headers=MERGE) as r:
-        assert r.status == 200
+    await merge_patch(api, f"{CRS}/smol", {"spec": {"maxModelLen": 2048}})
     await asyncio.sleep(480 / rate)
     before_last_minute = tries()
     await asyncio.sleep(60 / rate)

@@ -21,7 +21,8 @@ import httpx
 import pytest
 import schemathesis
 from aiohttp import web
-from hypothesis import HealthCheck, given, settings
+from fuzzing import fuzz_settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from router_testkit import serve_router, serve_upstream
 from schemathesis.checks import (
@@ -38,13 +39,7 @@ from fleetllm.router.server import Router
 
 ADMIN_KEY = "fuzz-admin"
 MODEL = "m"
-FUZZ_SETTINGS = settings(
-    derandomize=True,  # the same cases on every run
-    database=None,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    max_examples=30,
-)
+FUZZ_SETTINGS = fuzz_settings(max_examples=30)
 ROUTER_SETTINGS = RouterSettings(
     max_body_bytes=64 * 1024,
     hold_timeout=0.2,

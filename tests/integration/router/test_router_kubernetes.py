@@ -23,7 +23,8 @@ import kmock
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from kubeapi import CR_RESOURCE, EmulatedApiServer, emulated_api
+from deployment_manifests import smollm2
+from kubeapi import CR_RESOURCE, KMOCK_WARNINGS, EmulatedApiServer, emulated_api
 from kubelogin import kubeconfig_for
 from router_testkit import EngineFleet, Process, async_wait_until, metric_sum, serve_upstream
 
@@ -37,11 +38,7 @@ from fleetllm.api.contract import (
 from fleetllm.api.deployment import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from fleetllm.router.discovery import SERVICE_NAME_LABEL
 
-pytestmark = [
-    pytest.mark.asyncio,
-    # kmock 0.8 loads its bundled resource list with a deprecated importlib call.
-    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
-]
+pytestmark = [pytest.mark.asyncio, KMOCK_WARNINGS]
 
 NS = "default"
 GUARD = 120.0
@@ -73,17 +70,8 @@ async def _model(
 ) -> str:
     """An LLMDeployment and the Service the operator renders for it (named after it,
     labelled, controlled by it); the Service's uid."""
-    deployment = {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "model": {"name": model, "source": "builtin://smollm2-135m"},
-            "gpu": {"type": "cpu"},
-            "replicas": replicas,
-            "routing": {"strategy": strategy},
-        },
-    }
+    deployment = _cr(name, model, ns)
+    deployment["spec"] |= {"replicas": replicas, "routing": {"strategy": strategy}}
     created = await _write(api, "POST", _crs(ns), deployment)
     owner = {
         "apiVersion": API_VERSION,
@@ -256,15 +244,7 @@ async def test_routes_to_ready_endpoints_of_the_operators_service_only(
 
 
 def _cr(name: str, model: str, ns: str = NS) -> dict[str, Any]:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "model": {"name": model, "source": "builtin://smollm2-135m"},
-            "gpu": {"type": "cpu"},
-        },
-    }
+    return smollm2(name, ns, served_name=model)
 
 
 @pytest.mark.parametrize(
@@ -426,12 +406,14 @@ async def _is(value: Any, expected: Any) -> bool:
 
 class KeyedEngine:
     """A stand-in engine that, like ours and vLLM started with a key, answers 401 to any other
-    key; /health and /metrics stay open. `seen` is the Authorization of every request."""
+    key; /health and /metrics stay open. `seen` is the Authorization of every request (the
+    router's reads of the model card included), `completions` that of each completion."""
 
     def __init__(self, model: str) -> None:
         self.model = model
         self.key = ""
         self.seen: list[str] = []
+        self.completions: list[str] = []
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/health":
@@ -439,6 +421,8 @@ class KeyedEngine:
         if request.path == "/metrics":
             return web.Response(text="vllm:num_requests_waiting 0\n")
         self.seen.append(request.headers.get("Authorization", ""))
+        if request.path == "/v1/completions":
+            self.completions.append(request.headers.get("Authorization", ""))
         if request.headers.get("Authorization") != f"Bearer {self.key}":
             return web.json_response({"error": {"message": "bad key", "code": 401}}, status=401)
         return web.json_response({"model": self.model, "choices": [{"text": "ok"}]})
@@ -490,5 +474,6 @@ async def test_each_models_replicas_get_their_own_derived_key(api: Any, tmp_path
     assert alpha_key != beta_key
     # Each engine saw its own key only: never the other's, never the global one.
     assert set(engines["alpha"].seen) == {f"Bearer {alpha_key}"}
-    assert engines["beta"].seen == [f"Bearer {beta_key}"] * 2
+    assert set(engines["beta"].seen) == {f"Bearer {beta_key}"}
+    assert engines["beta"].completions == [f"Bearer {beta_key}"] * 2
     assert alpha_key not in log and beta_key not in log and root not in log

@@ -4,7 +4,9 @@ before the first byte, stream errors after it, timeouts, bad input, holding, key
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from router_testkit import (
 
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import StaticDiscovery, parse_static_fleet
+from fleetllm.router.server import Router
 
 pytestmark = pytest.mark.asyncio
 
@@ -100,15 +103,23 @@ def _sse_events(text: str) -> list[str]:
     return [line[6:] for line in text.split("\n\n") if line.startswith("data: ")]
 
 
+@contextlib.asynccontextmanager
+async def in_order(
+    *upstreams: Upstream, settings: RouterSettings = FAST
+) -> AsyncIterator[tuple[Router, str, list[str]]]:
+    """Model "m" on these replicas behind a router whose next request tries them in this
+    order: the router, its URL and the replicas' URLs."""
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(serve_upstream(u)) for u in upstreams]
+        router, url = await stack.enter_async_context(serve_router(settings))
+        router.apply_fleet(fleet({"m": urls}))
+        router.models["m"].turn = 0
+        yield router, url, urls
+
+
 async def test_failover_past_a_dropped_connection_and_a_503() -> None:
     hangup, busy, good = Upstream("hangup"), Upstream("503"), Upstream("ok")
-    async with (
-        serve_upstream(hangup) as hangup_url,
-        serve_upstream(busy) as busy_url,
-        serve_upstream(good) as good_url,
-        serve_router(FAST) as (router, url),
-    ):
-        router.apply_fleet(fleet({"m": [hangup_url, busy_url, good_url]}))
+    async with in_order(hangup, busy, good) as (router, url, _):
         for stream in (False, True):
             # Round robin starts each request one replica further, and failures pause a
             # replica: start each request at the first one, with no pauses, so that both
@@ -142,26 +153,14 @@ async def test_when_every_attempt_fails_the_last_answer_is_passed_on() -> None:
 
 async def test_client_errors_are_answers_not_retried() -> None:
     bad, good = Upstream("400"), Upstream("ok")
-    async with (
-        serve_upstream(bad) as bad_url,
-        serve_upstream(good) as good_url,
-        serve_router(FAST) as (router, url),
-    ):
-        router.apply_fleet(fleet({"m": [bad_url, good_url]}))
-        router.models["m"].turn = 0
+    async with in_order(bad, good) as (_, url, _):
         r = await _post(f"{url}/v1/completions", {"model": "m", "prompt": "x"})
         assert r.status_code == 400 and len(good.seen) == 0
 
 
 async def test_a_stream_cut_mid_event_ends_with_an_error_event_and_is_not_retried() -> None:
     cut, good = Upstream("cut"), Upstream("ok")
-    async with (
-        serve_upstream(cut) as cut_url,
-        serve_upstream(good) as good_url,
-        serve_router(FAST) as (router, url),
-    ):
-        router.apply_fleet(fleet({"m": [cut_url, good_url]}))
-        router.models["m"].turn = 0
+    async with in_order(cut, good) as (_, url, _):
         r = await _post(f"{url}/v1/completions", {"model": "m", "prompt": "x", "stream": True})
         assert r.status_code == 200
         events = _sse_events(r.text)
@@ -175,13 +174,7 @@ async def test_a_stream_cut_mid_event_ends_with_an_error_event_and_is_not_retrie
 
 async def test_a_stream_that_dies_before_its_first_event_moves_to_another_replica() -> None:
     dying, good = Upstream("die-before-first"), Upstream("ok")
-    async with (
-        serve_upstream(dying) as dying_url,
-        serve_upstream(good) as good_url,
-        serve_router(FAST) as (router, url),
-    ):
-        router.apply_fleet(fleet({"m": [dying_url, good_url]}))
-        router.models["m"].turn = 0
+    async with in_order(dying, good) as (_, url, _):
         r = await _post(f"{url}/v1/completions", {"model": "m", "prompt": "x", "stream": True})
         assert r.status_code == 200
         assert _sse_events(r.text)[-1] == "[DONE]" and "error" not in r.text
@@ -191,13 +184,7 @@ async def test_a_stream_that_dies_before_its_first_event_moves_to_another_replic
 async def test_first_byte_timeout_moves_a_stream_on() -> None:
     stalled, good = Upstream("stall"), Upstream("ok")
     settings = RouterSettings(strategy="round-robin", first_byte_timeout=0.3)
-    async with (
-        serve_upstream(stalled) as stalled_url,
-        serve_upstream(good) as good_url,
-        serve_router(settings) as (router, url),
-    ):
-        router.apply_fleet(fleet({"m": [stalled_url, good_url]}))
-        router.models["m"].turn = 0
+    async with in_order(stalled, good, settings=settings) as (router, url, [stalled_url, _]):
         r = await _post(f"{url}/v1/completions", {"model": "m", "prompt": "x", "stream": True})
         assert r.status_code == 200 and len(good.seen) == 1
         router.apply_fleet(fleet({"m": [stalled_url]}))
@@ -280,12 +267,7 @@ async def test_held_requests_time_out_with_retry_after_and_overflow_is_refused()
 
 async def test_draining_and_unhealthy_replicas_get_no_new_requests() -> None:
     draining, sick, good = Upstream("ok"), Upstream("unhealthy"), Upstream("ok")
-    async with (
-        serve_upstream(draining) as d_url,
-        serve_upstream(sick) as s_url,
-        serve_upstream(good) as g_url,
-        serve_router(FAST) as (router, url),
-    ):
+    async with in_order(draining, sick, good) as (router, url, [d_url, s_url, g_url]):
         router.apply_fleet(
             parse_static_fleet({"models": {"m": [{"url": d_url, "draining": True}, s_url, g_url]}})
         )

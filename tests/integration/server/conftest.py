@@ -7,6 +7,7 @@ for good (SIGTERM) or need other flags start their own with `launch`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,9 +33,10 @@ def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
-@pytest.fixture(scope="session")
-def launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
-    """Start a server with the given arguments and wait until it is healthy."""
+@contextlib.contextmanager
+def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
+    """Starts servers with the given arguments, each waited for until healthy; stops them
+    all on leaving."""
     started: list[ServerProcess] = []
 
     def start(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
@@ -44,14 +46,28 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., S
         server.wait_healthy()
         return server
 
-    yield start
-    for server in started:
-        server.stop()
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
+    """Servers of one test module, stopped when the module ends: a SmolLM2 server with a
+    large KV pool holds gigabytes, and the whole suite has to fit a 24 GiB machine."""
+    with launcher(tmp_path_factory) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")
-def server(launch: Callable[..., ServerProcess], tiny_chat_dir: Path) -> ServerProcess:
-    return launch(tiny_server_args(tiny_chat_dir))
+def server(
+    tmp_path_factory: pytest.TempPathFactory, tiny_chat_dir: Path
+) -> Iterator[ServerProcess]:
+    """The tiny model's server, shared by every module that needs nothing else."""
+    with launcher(tmp_path_factory) as start:
+        yield start(tiny_server_args(tiny_chat_dir))
 
 
 @pytest.fixture(scope="session")

@@ -10,26 +10,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from deployment_manifests import smollm2
 from local_services import free_port
 from server_helpers import SERVED_NAME, ServerProcess, parse_sse, tiny_server_args
-from test_server_shutdown import EXIT_GUARD_S, StreamThread
+from test_server_shutdown import EXIT_GUARD_S, StreamThread, start_streams
 
 from fleetllm.api.contract import ENGINE_PORT
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.operator.render import PRESTOP_SECONDS, render
 from fleetllm.planner.plan import plan
 
-SMOLLM2 = {
-    "apiVersion": "fleetllm.io/v1alpha1",
-    "kind": "LLMDeployment",
-    "metadata": {"name": "smol"},
-    "spec": {
-        "model": {"name": SERVED_NAME, "source": "builtin://smollm2-135m"},
-        "gpu": {"type": "cpu"},
-        "maxModelLen": 2048,
-        "engine": {"drainSeconds": 45},
-    },
-}
+SMOLLM2 = smollm2(served_name=SERVED_NAME, maxModelLen=2048, engine={"drainSeconds": 45})
 
 
 def _rendered_hook() -> list[str]:
@@ -58,18 +49,6 @@ class TimedStream(StreamThread):
         self.finished_at = time.monotonic()
 
 
-def _streams(server: ServerProcess, count: int, max_tokens: int) -> list[TimedStream]:
-    body = {"model": SERVED_NAME, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-    url = f"{server.base_url}/v1/completions"
-    threads = [TimedStream(url, {**body, "prompt": f"Stream {i}"}) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        assert t.started.wait(EXIT_GUARD_S)
-        assert t.error is None, t.error
-    return threads
-
-
 @pytest.fixture(scope="module")
 def long_context_server(launch: Callable[..., ServerProcess], tiny_chat_dir: Path) -> ServerProcess:
     """One engine for the module (the last test stops it): a context long enough for streams
@@ -83,7 +62,7 @@ def test_the_hook_returns_only_after_both_streams_finished(
     long_context_server: ServerProcess,
 ) -> None:
     server = long_context_server
-    threads = _streams(server, 2, 300)
+    threads = start_streams(server, 2, 300, TimedStream)
     assert server.metric("vllm:num_requests_running") == 2
     started = time.monotonic()
     hook = _hook(server.port, cap=120)
@@ -119,7 +98,7 @@ def test_the_hook_returns_at_the_cap_with_streams_still_running(
     long_context_server: ServerProcess,
 ) -> None:
     server = long_context_server
-    threads = _streams(server, 2, 2000)
+    threads = start_streams(server, 2, 2000, TimedStream)
     started = time.monotonic()
     hook = _hook(server.port, cap=1.5)
     output, _ = hook.communicate(timeout=EXIT_GUARD_S)

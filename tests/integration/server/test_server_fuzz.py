@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from fuzzing import fuzz_settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from server_helpers import SERVED_NAME, ServerProcess, assert_sound, tiny_server_args
@@ -33,13 +34,7 @@ FUZZ_MAX_MODEL_LEN = 48
 FUZZ_MAX_CHOICES = 8
 VOCAB = 256  # tinymodels' vocabulary
 
-FUZZ_SETTINGS = settings(
-    derandomize=True,  # the same cases on every run
-    database=None,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    max_examples=25,
-)
+FUZZ_SETTINGS = fuzz_settings(max_examples=25)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -47,7 +47,16 @@ class StreamThread(threading.Thread):
             self.started.set()
 
 
-def _start_streams(server: ServerProcess, count: int, max_tokens: int) -> list[StreamThread]:
+Stream = TypeVar("Stream", bound=StreamThread)
+
+
+def start_streams(
+    server: ServerProcess,
+    count: int,
+    max_tokens: int,
+    kind: Callable[[str, dict[str, Any]], Stream] = StreamThread,
+) -> list[Stream]:
+    """`count` streams of `max_tokens` each, every one past its first token."""
     body = {
         "model": SERVED_NAME,
         "max_tokens": max_tokens,
@@ -55,10 +64,8 @@ def _start_streams(server: ServerProcess, count: int, max_tokens: int) -> list[S
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    threads = [
-        StreamThread(f"{server.base_url}/v1/completions", {**body, "prompt": f"Stream {i}"})
-        for i in range(count)
-    ]
+    url = f"{server.base_url}/v1/completions"
+    threads = [kind(url, {**body, "prompt": f"Stream {i}"}) for i in range(count)]
     for t in threads:
         t.start()
     for t in threads:
@@ -67,13 +74,25 @@ def _start_streams(server: ServerProcess, count: int, max_tokens: int) -> list[S
     return threads
 
 
+def _endings(threads: list[StreamThread]) -> list[tuple[str, int]]:
+    """Each stream's last finish reason and its usage's completion tokens, once it ended."""
+    endings = []
+    for t in threads:
+        t.join(EXIT_GUARD_S)
+        assert not t.is_alive() and t.error is None
+        events = parse_sse(t.raw)
+        finish = [c["finish_reason"] for e in events for c in e["choices"]]
+        endings.append((finish[-1], events[-1]["usage"]["completion_tokens"]))
+    return endings
+
+
 def test_sigterm_lets_8_streams_finish(
     launch: Callable[..., ServerProcess], tiny_chat_dir: Path
 ) -> None:
     # A grace period that cannot run out here, however busy the machine: all 8 must finish.
     server = launch(tiny_server_args(tiny_chat_dir, "--shutdown-grace-period", "300"))
     max_tokens = 200
-    threads = _start_streams(server, 8, max_tokens)
+    threads = start_streams(server, 8, max_tokens)
     assert server.metric("vllm:num_requests_running") == 8
 
     server.terminate()
@@ -91,13 +110,8 @@ def test_sigterm_lets_8_streams_finish(
     assert refused.status_code == 503
     assert refused.json()["error"]["type"] == "ServiceUnavailableError"
 
-    for t in threads:
-        t.join(EXIT_GUARD_S)
-        assert not t.is_alive() and t.error is None
-        events = parse_sse(t.raw)
-        finish = [c["finish_reason"] for e in events for c in e["choices"]]
-        assert finish[-1] == "length"
-        assert events[-1]["usage"]["completion_tokens"] == max_tokens
+    for finish, tokens in _endings(threads):
+        assert finish == "length" and tokens == max_tokens
     assert server.proc.wait(EXIT_GUARD_S) == 0
 
 
@@ -108,15 +122,10 @@ def test_grace_period_over_aborts_and_exits_0(
     # A longer context than the shared server's, so these streams outlast the grace period.
     args[args.index("--max-model-len") + 1] = "2048"
     server = launch(args)
-    threads = _start_streams(server, 4, 2000)
+    threads = start_streams(server, 4, 2000)
     server.terminate()
-    for t in threads:
-        t.join(EXIT_GUARD_S)
-        assert not t.is_alive() and t.error is None
-        events = parse_sse(t.raw)
-        finish = [c["finish_reason"] for e in events for c in e["choices"]]
-        assert finish[-1] == "abort"
-        assert events[-1]["usage"]["completion_tokens"] < 2000
+    for finish, tokens in _endings(threads):
+        assert finish == "abort" and tokens < 2000
     assert server.proc.wait(EXIT_GUARD_S) == 0
 
 

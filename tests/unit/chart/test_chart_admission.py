@@ -12,6 +12,7 @@ from typing import Any
 import celpy
 import pytest
 import yaml
+from deployment_manifests import smollm2
 from helmchart import CHART, NAMESPACE, by_kind, render
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -63,18 +64,7 @@ def test_the_charts_policy_values_are_the_codes_defaults() -> None:
 
 
 def _llmd(**spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "fleetllm.io/v1alpha1",
-        "kind": "LLMDeployment",
-        "metadata": {"name": "m", "namespace": "team-a"},
-        "spec": {
-            "model": {"name": "smollm2-135m", "source": "builtin://smollm2-135m"},
-            "gpu": {"type": "cpu"},
-            "maxModelLen": 2048,
-            "replicas": 1,
-            **spec,
-        },
-    }
+    return smollm2("m", "team-a", **({"maxModelLen": 2048, "replicas": 1} | spec))
 
 
 VLLM: dict[str, Any] = {

@@ -7,27 +7,15 @@ import json
 from typing import Any
 
 import pytest
+from engine_requests import ENDPOINTS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from fleetllm.engine.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    parse_request,
-)
+from fleetllm.engine.protocol import CompletionRequest, parse_request
 from fleetllm.errors import APIError
 
-MINIMAL: dict[type[BaseModel], dict[str, Any]] = {
-    CompletionRequest: {"model": "m", "prompt": "hi"},
-    ChatCompletionRequest: {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-    TokenizeCompletionRequest: {"prompt": "hi"},
-    TokenizeChatRequest: {"messages": [{"role": "user", "content": "hi"}]},
-    DetokenizeRequest: {"tokens": [1, 2]},
-}
+MINIMAL: dict[type[BaseModel], dict[str, Any]] = dict(ENDPOINTS.values())
 
 
 def optional_fields(model: type[BaseModel]) -> list[str]:

@@ -10,24 +10,16 @@ import logging
 from typing import Any
 
 import pytest
+from engine_requests import ENDPOINTS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from fleetllm.engine.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    parse_request,
-)
+from fleetllm.engine.protocol import parse_request
 from fleetllm.engine.request_fields import (
     CHAT,
     COMPLETION,
-    DETOKENIZE,
     MAX_LOGGED_NAMES,
-    TOKENIZE,
     TOKENIZE_CHAT,
     UNSERVED,
     WITHOUT_EFFECT,
@@ -35,14 +27,6 @@ from fleetllm.engine.request_fields import (
 )
 from fleetllm.errors import APIError
 
-MESSAGES = [{"role": "user", "content": "hi"}]
-ENDPOINTS: dict[str, tuple[type[BaseModel], dict[str, Any]]] = {
-    COMPLETION: (CompletionRequest, {"prompt": "hi"}),
-    CHAT: (ChatCompletionRequest, {"messages": MESSAGES}),
-    TOKENIZE: (TokenizeCompletionRequest, {"prompt": "hi"}),
-    TOKENIZE_CHAT: (TokenizeChatRequest, {"messages": MESSAGES}),
-    DETOKENIZE: (DetokenizeRequest, {"tokens": [1]}),
-}
 # For each unserved field: a value that asks for nothing (vLLM's default, as clients that fill
 # every field send it) and one that asks for what the engine does not do.
 EXAMPLES: dict[str, tuple[Any, Any]] = {

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from deployment_manifests import smollm2
 
 from fleetllm.local.deployments import PULLED, FleetError, load_fleet
 from fleetllm.local.launch import replica_env
@@ -19,18 +20,7 @@ from fleetllm.router.lora import AdapterRoute
 
 
 def _manifest(path: Path, adapters: list[dict[str, Any]], **spec: Any) -> Path:
-    doc = {
-        "apiVersion": "fleetllm.io/v1alpha1",
-        "kind": "LLMDeployment",
-        "metadata": {"name": "smol"},
-        "spec": {
-            "model": {"name": "smol", "source": "builtin://smollm2-135m"},
-            "gpu": {"type": "cpu"},
-            "lora": {"maxLoras": 2},
-            "adapters": adapters,
-            **spec,
-        },
-    }
+    doc = smollm2(served_name="smol", lora={"maxLoras": 2}, adapters=adapters, **spec)
     path.write_text(json.dumps(doc))
     return path
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from deployment_manifests import smollm2
 from examples import ALL_EXAMPLES
 
 from fleetllm.api.deployment import LLMDeployment
@@ -24,19 +25,7 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "manifests" / "examples"
 
 
 def cpu_deployment(**spec: Any) -> LLMDeployment:
-    return parse_llmdeployment(
-        {
-            "apiVersion": "fleetllm.io/v1alpha1",
-            "kind": "LLMDeployment",
-            "metadata": {"name": "smol", "namespace": "team-a"},
-            "spec": {
-                "model": {"name": "smollm2-135m", "source": "builtin://smollm2-135m"},
-                "gpu": {"type": "cpu"},
-                "maxModelLen": 2048,
-                **spec,
-            },
-        }
-    )
+    return parse_llmdeployment(smollm2("smol", "team-a", **({"maxModelLen": 2048} | spec)))
 
 
 def refused(cr: LLMDeployment, policy: Policy = DEFAULT_POLICY) -> dict[str, str]:

@@ -131,7 +131,7 @@ def step(engine: Engine, sequencer: BatchSequencer, op: tuple) -> None:
     elif op[0] == "restart":
         engine.restart()
     else:
-        resync(sequencer, engine, sequencer.anchor)  # the feed's periodic check
+        resync(sequencer, engine, sequencer.check_start)  # the feed's periodic check
 
 
 @settings(max_examples=300, deadline=None)
@@ -164,7 +164,7 @@ def test_the_view_equals_the_engines_cache_when_the_replay_covers_the_losses(
                 deliver(sequencer, engine, batch)
                 if not unseen_restart:
                     assert set(sequencer.blocks.keys) <= engine.kv.pool.cached_hashes()
-        resync(sequencer, engine, sequencer.anchor)  # the periodic check
+        resync(sequencer, engine, sequencer.check_start)  # the periodic check
         assert set(sequencer.blocks.keys) == engine.kv.pool.cached_hashes()
         assert sequencer.malformed == 0
         # Salted sequences included, the engine's keys are what the router computes.
@@ -199,7 +199,7 @@ def test_the_view_never_claims_what_the_engine_lost(
             last_dropped = full
         if batch is not None and not next(losses, False):
             deliver(sequencer, engine, batch)
-    resync(sequencer, engine, sequencer.anchor)
+    resync(sequencer, engine, sequencer.check_start)
     if not last_dropped:
         assert set(sequencer.blocks.keys) <= engine.kv.pool.cached_hashes()
 
@@ -219,7 +219,7 @@ def test_a_restart_is_seen_even_when_the_new_publisher_has_passed_the_old_number
     for tokens in ([7, 7, 7], [8, 8, 8], [9, 9, 9]):
         engine.run(tokens, None)
         engine.publish(False)  # published while the router was away
-    resync(sequencer, engine, sequencer.anchor)
+    resync(sequencer, engine, sequencer.check_start)
     assert set(sequencer.blocks.keys) == engine.kv.pool.cached_hashes()
     assert not before & set(sequencer.blocks.keys)
 

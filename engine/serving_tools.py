@@ -159,8 +159,9 @@ def whole_message(
     message: dict[str, Any] = {
         "role": "assistant",
         "content": scan.content or None if calls else text,
-        "tool_calls": [tool_call(tool_parsers.make_call_id(), c) for c in calls],
     }
+    if calls:  # as vLLM and OpenAI answer: no `tool_calls` key without a call
+        message["tool_calls"] = [tool_call(tool_parsers.make_call_id(), c) for c in calls]
     if tool_plan.mode in ("required", "named"):  # the output is the calls, never content
         message["content"] = ""
     return message, finished_as(tool_plan, bool(calls), finish_reason)

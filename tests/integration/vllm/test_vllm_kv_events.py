@@ -146,7 +146,8 @@ async def test_the_routers_index_over_vllm_sees_its_blocks_and_predicts_its_cach
     context = zmq.asyncio.Context()
     kv = KVRouting(MODEL, 100_000, 8192, FeedSettings(probe_interval=0.2, stale_after=3.0))
     kv.update(context, {replica.url: replica.kv_events}, vllm_model.plan.model_path)
-    prompt = "The harbor master keeps a ledger of every lantern and every copper signal. " * 6
+    # Over two of vLLM's 128-token CPU blocks: only full blocks are cached and reported.
+    prompt = "The harbor master keeps a ledger of every lantern and every copper signal. " * 20
     payload = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
     try:
         start = time.monotonic()
@@ -188,7 +189,8 @@ def test_the_router_routes_vllm_replicas_by_their_events(
     fleet.write_text(json.dumps(doc))
     router = Router(fleet, tmp_path / "router.log", "--strategy", "kv-aware")
     try:
-        system = "You answer questions about the harbor ledger, one short sentence each. " * 5
+        # Longer than one of vLLM's 128-token CPU blocks, so that the replicas cache it.
+        system = "You answer questions about the harbor ledger, one short sentence each. " * 12
         for i in range(4):
             messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Q{i}"}]
             body = {"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0}

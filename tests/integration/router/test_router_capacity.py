@@ -19,8 +19,9 @@ GUARD = 30.0  # hang guard only
 MiB = 1 << 20
 
 
-async def _fill(settings: RouterSettings, bodies: list[dict[str, str]]) -> None:
-    """`bodies` fill the budget (held at the replica); one more like the last is refused."""
+async def _fill(settings: RouterSettings, bodies: list[dict[str, str]]) -> httpx.Response:
+    """`bodies` fill the budget (held at the replica); one more like the last is refused:
+    that answer."""
     gate = Gate()
     async with (
         serve_upstream(gate) as up,
@@ -40,13 +41,16 @@ async def _fill(settings: RouterSettings, bodies: list[dict[str, str]]) -> None:
         assert router.proxy.inflight.requests == 0 and router.proxy.inflight.bytes == 0
         again = await client.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"})
         assert again.status_code == 200
+    return over
 
 
 async def test_requests_in_flight_are_capped_for_all_keys_together() -> None:
-    await _fill(RouterSettings(max_inflight_requests=3), [{"model": "m", "prompt": "x"}] * 3)
+    over = await _fill(RouterSettings(max_inflight_requests=3), [{"model": "m", "prompt": "x"}] * 3)
+    assert over.status_code == 503 and "at capacity" in over.json()["error"]["message"]
 
 
 async def test_body_bytes_in_flight_are_capped_for_all_keys_together() -> None:
     settings = RouterSettings(max_body_bytes=MiB, max_inflight_bytes=2 * MiB)
     big = {"model": "m", "prompt": "x" * (MiB - 100)}
-    await _fill(settings, [big, big])
+    over = await _fill(settings, [big, big])
+    assert over.status_code == 503 and "at capacity" in over.json()["error"]["message"]

@@ -124,9 +124,11 @@ async def test_a_restarted_publisher_is_seen_and_its_cache_replaces_the_old(
             compute(kv, f"b{i}", [50 + i] * 4)
             publisher.publish(kv.take_events())
         await until(lambda: set(blocks.keys) == kv.pool.cached_hashes(), "second engine")
+        assert set(blocks.keys) == kv.pool.cached_hashes() and len(blocks.keys) == 5
         publisher.close()
         # Its checks go unanswered: the view goes stale.
         await until(lambda: not kv_feed.fresh(time.monotonic()), "stale", guard_s=10)
+        assert not kv_feed.fresh(time.monotonic())
 
 
 def test_a_full_queue_drops_and_counts_instead_of_blocking(short_tmp: Path) -> None:

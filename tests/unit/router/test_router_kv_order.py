@@ -215,7 +215,10 @@ def test_a_well_formed_event_with_any_values_is_applied_or_refused(event: BlockS
         batch = parse_batch(payload, decoder())
     except MalformedBatch:
         return
-    ReplicaBlocks(max_blocks=8).apply(batch, VllmHasher())
+    blocks = ReplicaBlocks(max_blocks=8)
+    blocks.apply(batch, VllmHasher())
+    # Applied within its bound, one key per block the event names, never more.
+    assert len(blocks.keys) <= min(8, len(event.block_hashes))
 
 
 chat_text = st.lists(

@@ -299,6 +299,8 @@ class AsyncEngine:
             self._call(self._on_dead, exc)
             return
         self._publish_kv_events(engine)
+        if self.kv_events is not None:
+            engine.after_schedule = lambda: self._publish_kv_events(engine)
         self._call(self._on_loaded, engine)
         try:
             self._loop_forever(engine)

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +148,10 @@ class LLMEngine:
         # requests draw on the CPU (sampler.py).
         self.sample_device = self.device if tp == 1 else torch.device("cpu")
         self.generator = torch.Generator(device=self.sample_device).manual_seed(config.seed)
+        self.after_schedule: Callable[[], None] | None = None
+        """Called once a step is scheduled, before its forward pass: the KV-event publisher
+        sends the step's evictions then, so a router does not route on blocks already gone
+        for the length of a forward pass."""
         self.requests: dict[str, Request] = {}
         self._texts: dict[str, _OutputText] = {}
         self._prompt_tokens = 0
@@ -313,6 +317,8 @@ class LLMEngine:
         engine's state can no longer be trusted.
         """
         out = self.scheduler.schedule()
+        if self.after_schedule is not None:
+            self.after_schedule()
         if not out.scheduled:
             return []
         num_scheduled = len(out.scheduled)

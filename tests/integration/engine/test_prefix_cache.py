@@ -7,8 +7,11 @@ import random
 from pathlib import Path
 from typing import Any
 
+from fleetllm.engine.config import EngineConfig
+from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.sampling_params import SamplingParams
+from fleetllm.kv_events import BlockRemoved
 
 VARIANT = "llama-mha"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -95,3 +98,39 @@ def test_eviction_under_pressure_keeps_results_identical(tiny_model) -> None:
     stats = llm.engine.stats()
     assert 0 < stats.prefix_cache_hits < stats.prefix_cache_queries
     assert stats.kv_cache_usage == 0.0
+
+
+def test_a_steps_evictions_are_known_before_its_forward_pass(tiny_model) -> None:
+    """The publisher is told of a step's evictions as soon as it is scheduled: a router then
+    stops counting on those blocks a whole forward pass sooner."""
+    path, _ = tiny_model(VARIANT)
+    events = '{"enable_kv_cache_events": true, "endpoint": "inproc://unused"}'
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            skip_tokenizer_init=True,
+            num_kv_blocks=12,
+            max_model_len=192,
+            kv_events_config=events,
+        )
+    )
+    seen: list[object] = []
+    engine.after_schedule = lambda: seen.extend(engine.kv.take_events())
+    original = engine._execute
+
+    def execute(*args: Any) -> Any:
+        seen.append("forward")
+        return original(*args)
+
+    engine._execute = execute  # type: ignore[method-assign]
+    rng = random.Random(2)
+    # Two prompts of 8 blocks each in a pool of 12: the second evicts the first's blocks.
+    for i in range(2):
+        prompt = [rng.randrange(256) for _ in range(128)]
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
+    removed = [i for i, e in enumerate(seen) if isinstance(e, BlockRemoved)]
+    assert removed and seen[removed[-1] + 1 :].count("forward") == 1  # before the step ran
+    engine.shutdown()

@@ -58,8 +58,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list
                 "replay_endpoint": f"ipc://{sockets}/r{i}-replay",
             }
             args = engine_args(model, "kappa", "--kv-events-config", json.dumps(config))
-            # 40 blocks of 16 tokens: a replica holds a few conversations, not all of them.
-            args[args.index("--num-kv-blocks") + 1] = "40"
+            # 64 blocks of 16 tokens: a replica holds a few conversations, not all of them.
+            args[args.index("--num-kv-blocks") + 1] = "64"
             args[args.index("--max-model-len") + 1] = "640"
             replicas.append(Process(args, base / f"r{i}.log"))
         try:
@@ -141,7 +141,7 @@ async def test_predicted_cached_tokens_match_what_the_engines_report(
         ]
         conversations = [
             (key, systems[i % len(systems)], random.Random(i))
-            for i in range(24)
+            for i in range(36)
             for key in (("sk-one-0123456789", "sk-two-0123456789")[i % 2],)
         ]
         gate = asyncio.Semaphore(3)
@@ -158,6 +158,9 @@ async def test_predicted_cached_tokens_match_what_the_engines_report(
     exact = metric_sum(metrics, "fleetllm:router_kv_predictions_total", outcome="exact")
     counted = metric_sum(metrics, "fleetllm:router_kv_predictions_total")
     assert counted == len(usages)  # every request was predicted, and compared
+    # Exact but for races no index can see: a request routed while another one, already on
+    # its way to the same replica, is about to evict the blocks it was counted on. 108
+    # requests let the check tolerate one such race in a hundred, as the criterion says.
     assert exact >= 0.99 * counted, metrics
     reported = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     assert metric_sum(metrics, "fleetllm:router_kv_reported_cached_tokens_total") == reported

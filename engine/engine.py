@@ -76,14 +76,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         cfg = self.model_config
         self.dtype, why = resolve_dtype(config.dtype, cfg, self.device)
-        log.info(
-            "dtype chosen",
-            extra={
-                "requested": config.dtype,
-                "dtype": str(self.dtype).removeprefix("torch."),
-                "reason": why,
-            },
-        )
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        extra = {"requested": config.dtype, "dtype": dtype_name, "reason": why}
+        log.info("dtype chosen", extra=extra)
         self.max_model_len = cfg.context_limit(config.max_model_len)
         self.tokenizer: Tokenizer | None = None
         if not config.skip_tokenizer_init:
@@ -148,10 +143,9 @@ class LLMEngine:
         # requests draw on the CPU (sampler.py).
         self.sample_device = self.device if tp == 1 else torch.device("cpu")
         self.generator = torch.Generator(device=self.sample_device).manual_seed(config.seed)
+        # Called once a step is scheduled, before its forward pass: the KV-event publisher
+        # sends evictions then, so no router routes on gone blocks for a whole forward pass.
         self.after_schedule: Callable[[], None] | None = None
-        """Called once a step is scheduled, before its forward pass: the KV-event publisher
-        sends the step's evictions then, so a router does not route on blocks already gone
-        for the length of a forward pass."""
         self.requests: dict[str, Request] = {}
         self._texts: dict[str, _OutputText] = {}
         self._prompt_tokens = 0

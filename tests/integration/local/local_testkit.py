@@ -61,7 +61,14 @@ def alive(process: psutil.Process) -> bool:
 
 
 def survivors(processes: Iterable[psutil.Process]) -> list[str]:
-    return [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in processes if alive(p)]
+    found = []
+    for p in processes:
+        try:
+            if alive(p):
+                found.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:  # ended (a zombie included) between the two looks
+            pass
+    return found
 
 
 def descendants(pid: int) -> list[psutil.Process]:

@@ -67,5 +67,8 @@ def vllm_replicas(
             replica.wait_healthy()
         yield replicas
     finally:
+        # Nothing is checked of how these stop (the drain tests start their own): SIGKILL
+        # spares the run vLLM's graceful exit, up to 30 s a replica.
         for replica in replicas:
+            replica.kill()
             replica.close()

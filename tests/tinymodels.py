@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from fleetllm.api.catalog import ModelArch
+    from fleetllm.engine.engine import LLMEngine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -189,3 +190,14 @@ def write_tiny_chat_model(path: Path, seed: int = 0, **overrides: Any) -> Path:
     for name in TOKENIZER_FILES:
         shutil.copy(smollm2 / name, path / name)
     return path
+
+
+def float32_engine(model: Path | str, **config: Any) -> LLMEngine:
+    """An engine over a tiny model, without its tokenizer (requests give token ids), in
+    float32 (exact against references), with `config`'s pool and limits."""
+    from fleetllm.engine.config import EngineConfig
+    from fleetllm.engine.engine import LLMEngine
+
+    return LLMEngine(
+        EngineConfig(model=str(model), dtype="float32", skip_tokenizer_init=True, **config)
+    )

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from tinymodels import float32_engine
 
-from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.sampling_params import SamplingParams
@@ -15,15 +15,7 @@ OK = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine(tiny_model) -> LLMEngine:
     path, _ = tiny_model("llama-mha")
-    return LLMEngine(
-        EngineConfig(
-            model=str(path),
-            dtype="float32",
-            skip_tokenizer_init=True,
-            num_kv_blocks=16,
-            max_model_len=64,
-        )
-    )
+    return float32_engine(path, num_kv_blocks=16, max_model_len=64)
 
 
 @pytest.mark.parametrize(

@@ -23,9 +23,8 @@ from typing import Any
 import pytest
 import torch
 from local_services import git_blob_sha1, serve_http
+from tinymodels import float32_engine
 
-from fleetllm.engine.config import EngineConfig
-from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.loader import checkpoint_files
 from fleetllm.engine.sampling_params import SamplingParams
 from fleetllm.weights.fetch import PullError, Settings, check_redirect
@@ -300,15 +299,7 @@ def test_the_engine_loads_what_the_cli_pulled(
             model.mkdir()
             for name, data in checkpoint.items():
                 (model / name).write_bytes(data)
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(model),
-                dtype="float32",
-                skip_tokenizer_init=True,
-                num_kv_blocks=16,
-                max_model_len=64,
-            )
-        )
+        engine = float32_engine(model, num_kv_blocks=16, max_model_len=64)
         engine.add_request("r", [1, 2, 3, 4], params)
         while engine.has_unfinished_requests():
             done = engine.step()

@@ -7,8 +7,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from fleetllm.engine.config import EngineConfig
-from fleetllm.engine.engine import LLMEngine
+from tinymodels import float32_engine
+
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.sampling_params import SamplingParams
 from fleetllm.kv_events import BlockRemoved
@@ -105,16 +105,7 @@ def test_a_steps_evictions_are_known_before_its_forward_pass(tiny_model) -> None
     stops counting on those blocks a whole forward pass sooner."""
     path, _ = tiny_model(VARIANT)
     events = '{"enable_kv_cache_events": true, "endpoint": "inproc://unused"}'
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(path),
-            dtype="float32",
-            skip_tokenizer_init=True,
-            num_kv_blocks=12,
-            max_model_len=192,
-            kv_events_config=events,
-        )
-    )
+    engine = float32_engine(path, num_kv_blocks=12, max_model_len=192, kv_events_config=events)
     seen: list[object] = []
     engine.after_schedule = lambda: seen.extend(engine.kv.take_events())
     original = engine._execute

@@ -17,24 +17,9 @@ from peft_adapters import write_lora
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetllm.lora_api import parse_adapters
-from fleetllm.planner.errors import ArgsRefused
-from fleetllm.planner.extra_args import parse_serve_args
 
 MODEL = "tiny-chat"
 ADAPTER = "sql"
-
-
-def _engine_serves_lora() -> bool:
-    try:
-        parse_serve_args(["--enable-lora"])
-    except ArgsRefused:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(
-    not _engine_serves_lora(), reason="this build's engine has no LoRA (--enable-lora) yet"
-)
 
 
 @pytest.fixture(scope="module")

@@ -118,6 +118,8 @@ def test_an_adapters_pull_job_is_valid_and_no_endpoint_of_the_model(
     (container,) = job["spec"]["template"]["spec"]["containers"]
     assert container["args"][:2] == ["hf://org/sql-lora@v2", path]
     assert ("--read-only" in container["args"]) is read_only
+    # The pull runs code of its own over downloaded files: no API token for it either.
+    assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     claim = job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]
     assert claim["claimName"] == "fleet-models"
     # Another revision is another pull.

@@ -165,6 +165,17 @@ def test_engines_run_as_a_named_user_with_every_cache_on_a_writable_volume(path:
                 ), (name, env[name], writable)
 
 
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_engine_pods_carry_no_service_account_token(path: Path) -> None:
+    """An engine never calls the Kubernetes API: its pod mounts no token, whatever
+    ServiceAccount the admin's policy lets it run as (a token there would hand the API to
+    whatever code the model's files bring)."""
+    for _, objects in _rendered(path):
+        pod = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["enableServiceLinks"] is False
+
+
 def _deployment(path: str) -> tuple[LLMDeployment, dict[str, Any]]:
     ((cr, objects),) = _rendered(ROOT / "manifests" / "examples" / path)
     return cr, next(o for o in objects if o["kind"] == "Deployment")

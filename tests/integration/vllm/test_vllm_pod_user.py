@@ -96,18 +96,34 @@ def python_exposure(python: Path, stash: Path) -> list[str]:
     ]
 
 
+def _under(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip("/") + "/")
+
+
 def sandbox_script(
-    binds: list[tuple[Path, str, bool]], uid: int, command: list[str], exposure: list[str]
+    binds: list[tuple[Path, str, bool]],
+    uid: int,
+    command: list[str],
+    exposure: list[str],
+    image: Path,
 ) -> str:
     """Bash, run as root in a private mount namespace: bind each (source, mount path,
-    writable), make every other filesystem read-only, then run `command` as `uid`."""
+    writable), make every other filesystem read-only, then run `command` as `uid`. `image`
+    (vLLM's environment, the image's own files) stays where it is, read-only, even under a
+    mount path (a checkout under /tmp, where the pod mounts an emptyDir)."""
     lines = ["set -euo pipefail", *exposure]
     targets = [target for _, target, _ in binds]
     sources = [str(source) for source, _, _ in binds]
     # A mount path above other sources (/tmp, above pytest's folders) is bound last.
-    hides = {t for t in targets if any(s.startswith(t.rstrip("/") + "/") for s in sources)}
+    hides = {t for t in targets if any(_under(s, t) for s in sources)}
     for source, target, writable in sorted(binds, key=lambda bind: bind[1] in hides):
-        lines.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(target)}")
+        bind = "--bind"
+        if _under(str(image), target):
+            # Bound into the volume's folder first, where the bind below carries it along.
+            inside = shlex.quote(str(source / Path(image).relative_to(target)))
+            lines += [f"mkdir -p {inside}", f"mount --bind {shlex.quote(str(image))} {inside}"]
+            bind = "--rbind"
+        lines.append(f"mount {bind} {shlex.quote(str(source))} {shlex.quote(target)}")
         if not writable:
             lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
     keep = " ".join(shlex.quote(t) for t in targets)
@@ -132,6 +148,7 @@ class Pod:
         (self.container,) = self.spec["containers"]
         self.uid = unnamed_uid()
         self.python = python
+        self.image = python.parent.parent  # vLLM's environment: what its image holds
         # What the kubelet gives the container: values as rendered, and the engine key read
         # from its Secret (a fresh one here, as the operator makes).
         self.key = secrets.token_urlsafe(32)
@@ -185,7 +202,7 @@ class Pod:
             *(f"{k}={v}" for k, v in env.items()),
             *command,
         ]
-        script = sandbox_script(self.binds, self.uid, wrapped, self.exposure)
+        script = sandbox_script(self.binds, self.uid, wrapped, self.exposure, self.image)
         return subprocess.Popen(
             ["unshare", "-m", "--propagation", "private", "bash", "-c", script],
             text=True,

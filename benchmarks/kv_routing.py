@@ -6,17 +6,21 @@ grows), and C conversations run at once. The working set (every system prompt an
 histories) is larger than the replicas' pools together hold, so replicas evict, and which
 replica a turn lands on decides what it finds cached. One router per strategy (kv-aware,
 prefix, least-load, round-robin) serves the same workload shape over the same replicas, each
-with its own system prompts so that none inherits another's cache. Printed per strategy:
+with its own system prompts so that none inherits another's cache. With --preamble-words,
+every system prompt begins with one shared preamble (a company's rules before each assistant's
+own instructions), longer than the characters the prefix hash reads. Printed per strategy:
 the prefix-cache hit rate (the engines' token counters over the run), mean/median/p99 time
 to first token, how the load spread (requests per replica; how far the busiest replica's
-in-flight count went past load_factor x the mean, sampled from the router), and for
-kv-aware how its predicted cached tokens matched what the engines reported. First, what a
+in-flight count went past load_factor x the mean, sampled from the router), the ceiling (the
+hit rate of one cache that never evicts, over the same requests: what no routing passes), and
+for kv-aware how its predicted cached tokens matched what the engines reported. First, what a
 request's tokens cost the router: tokenizing and hashing in the router (what kv-aware does)
 against asking a replica's /tokenize (a round trip), for chat prompts of several lengths.
 The machine's load average is printed with the figures (the machine may be shared).
 
     python benchmarks/kv_routing.py                  # 4 replicas, 24 prompts
     python benchmarks/kv_routing.py --replicas 3 --prompts 20 --conversations 2 --turns 3
+    python benchmarks/kv_routing.py --preamble-words 100   # every system prompt after one preamble
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -47,12 +51,17 @@ from router import (
     wait_healthy,
 )
 
+if TYPE_CHECKING:
+    from fleetllm.router.prompt_tokens import PromptTokenizer
+
 STRATEGIES = ("kv-aware", "prefix", "least-load", "round-robin")
 
 
-def system_prompt(rng: random.Random, index: int, words: int) -> str:
-    return f"You are assistant {index} of the harbor office. Context: " + " ".join(
-        rng.choice(WORDS) for _ in range(words)
+def system_prompt(rng: random.Random, index: int, words: int, preamble: str = "") -> str:
+    return (
+        preamble
+        + f"You are assistant {index} of the harbor office. Context: "
+        + " ".join(rng.choice(WORDS) for _ in range(words))
     )
 
 
@@ -61,6 +70,8 @@ async def chat_turn(
 ) -> tuple[float, str]:
     """(TTFT in seconds, the reply) for one streamed chat turn."""
     body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "stream": True}
+    # With the usage at the stream's end, the router checks its prediction of cached tokens.
+    body["stream_options"] = {"include_usage": True}
     body["temperature"] = 0
     start = time.perf_counter()
     ttft = 0.0
@@ -71,7 +82,10 @@ async def chat_turn(
         async for line in r.content:
             if not line.startswith(b"data: {"):
                 continue
-            delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            choices = json.loads(line[6:])["choices"]
+            if not choices:
+                continue  # the usage event
+            delta = choices[0]["delta"].get("content") or ""
             if delta and not ttft:
                 ttft = time.perf_counter() - start
             text.append(delta)
@@ -138,19 +152,45 @@ async def served(session: aiohttp.ClientSession, engines: list[Proc]) -> list[fl
     return counts
 
 
+def ceiling_hit_rate(prompts: PromptTokenizer, sent: list[list[dict[str, str]]]) -> float:
+    """The hit rate of one cache that never evicts, over the requests in the order they were
+    sent: what no routing can pass. Each request finds the whole blocks (16 tokens, all but
+    its last token, as the engines count) that an earlier request already had."""
+    from fleetllm.block_hash import chain_hashes, root_hash
+
+    seen: set[bytes] = set()
+    hits = queries = 0
+    for messages in sent:
+        tokens = prompts.tokens({"messages": messages}) or []
+        keys = chain_hashes(root_hash(None), tokens[:-1], 16)
+        held = next((i for i, key in enumerate(keys) if key not in seen), len(keys))
+        hits += held * 16
+        queries += len(tokens)
+        seen.update(keys)
+    return hits / queries if queries else 0.0
+
+
 async def run_strategy(
     args: argparse.Namespace,
     session: aiohttp.ClientSession,
     engines: list[Proc],
     url: str,
     index: int,
+    prompts: PromptTokenizer,
 ) -> dict[str, Any]:
     rng = random.Random(1000 + index)
-    systems = [system_prompt(rng, i, args.prompt_words) for i in range(args.prompts)]
+    preamble = ""
+    if args.preamble_words:
+        preamble = "Rules of the office. " + " ".join(
+            rng.choice(WORDS) for _ in range(args.preamble_words)
+        )
+        preamble += "\n"
+    systems = [system_prompt(rng, i, args.prompt_words, preamble) for i in range(args.prompts)]
     conversations = [(p, c) for p in range(args.prompts) for c in range(args.conversations)]
     rng.shuffle(conversations)
     gate = asyncio.Semaphore(args.concurrency)
     ttfts: list[float] = []
+    sent: list[list[dict[str, str]]] = []
 
     async def converse(prompt: int, conv: int) -> None:
         talk = random.Random(prompt * 1000 + conv)
@@ -159,6 +199,7 @@ async def run_strategy(
             for turn in range(args.turns):
                 question = " ".join(talk.choice(WORDS) for _ in range(args.question_words))
                 messages.append({"role": "user", "content": f"Question {turn}: {question}?"})
+                sent.append(list(messages))
                 ttft, reply = await chat_turn(session, url, messages, args.max_tokens)
                 ttfts.append(ttft)
                 messages.append({"role": "assistant", "content": reply})
@@ -187,6 +228,7 @@ async def run_strategy(
         ],
         "load": spread(samples, args.load_factor, len(engines)),
         "wall_s": round(wall, 1),
+        "ceiling_hit_rate": round(ceiling_hit_rate(prompts, sent), 3),
     }
     predicted = await router_metric(session, url, "fleetllm:router_kv_predictions_total")
     if predicted:
@@ -198,14 +240,12 @@ async def run_strategy(
 
 
 async def tokenize_cost(
-    session: aiohttp.ClientSession, engine: Proc, model_dir: Path
+    session: aiohttp.ClientSession, engine: Proc, prompts: PromptTokenizer
 ) -> dict[str, Any]:
     """Median ms per request: the router's own tokenization and block keys, and a replica's
     /tokenize for the same messages."""
     from fleetllm.block_hash import chain_hashes, root_hash
-    from fleetllm.router.prompt_tokens import PromptTokenizer
 
-    prompts = PromptTokenizer.load(model_dir, max_tokens=1 << 15)
     rng = random.Random(7)
     out: dict[str, Any] = {}
     for words in (100, 1000, 4000):
@@ -267,19 +307,23 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "replicas": args.replicas,
             "kv_blocks_per_replica": args.num_kv_blocks,
             "prompts": args.prompts,
+            "preamble_words": args.preamble_words,
             "conversations_per_prompt": args.conversations,
             "turns": args.turns,
             "concurrency": args.concurrency,
             "load_factor": args.load_factor,
         }
         timeout = aiohttp.ClientTimeout(total=3600)
+        from fleetllm.router.prompt_tokens import PromptTokenizer
+
+        prompts = PromptTokenizer.load(model_dir, max_tokens=1 << 15)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            result["tokenize_cost"] = await tokenize_cost(session, engines[0], model_dir)
+            result["tokenize_cost"] = await tokenize_cost(session, engines[0], prompts)
             print(json.dumps({"tokenize_cost": result["tokenize_cost"]}), flush=True)
             for index, strategy in enumerate(STRATEGIES):
                 load = os.getloadavg()
                 result[strategy] = await run_strategy(
-                    args, session, engines, routers[strategy].url, index
+                    args, session, engines, routers[strategy].url, index, prompts
                 )
                 result[strategy]["loadavg_before"] = [round(x, 1) for x in load]
                 print(json.dumps({strategy: result[strategy]}), flush=True)
@@ -302,6 +346,13 @@ def main() -> int:
     p.add_argument("--num-kv-blocks", type=int, default=160, help="per replica, 16 tokens each")
     p.add_argument("--prompts", type=int, default=24, help="shared system prompts")
     p.add_argument("--prompt-words", type=int, default=300, help="about 1 token per word")
+    p.add_argument(
+        "--preamble-words",
+        type=int,
+        default=0,
+        help="a preamble every system prompt begins with (longer than the prefix hash reads"
+        " from about 45 words)",
+    )
     p.add_argument("--conversations", type=int, default=2, help="per system prompt")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--question-words", type=int, default=20)

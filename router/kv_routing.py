@@ -19,10 +19,11 @@ from typing import Any
 
 import zmq.asyncio
 
+from fleetllm.kv_events import BlockKey
 from fleetllm.router.block_keys import VllmHasher, request_keys
 from fleetllm.router.discovery import KVEventsEndpoint
 from fleetllm.router.kv_feed import FeedSettings, KVFeed, cancel
-from fleetllm.router.kv_index import BatchSequencer, PrefixIndex
+from fleetllm.router.kv_index import BatchSequencer, Layout, PrefixIndex
 from fleetllm.router.prompt_tokens import PromptTokenizer
 
 log = logging.getLogger("fleetllm.router")
@@ -121,11 +122,9 @@ class KVRouting:
         now = time.monotonic()
         return all((f := self.feed(r)) is not None and f.fresh(now) for r in replica_ids)
 
-    def predict(
-        self, payload: Mapping[str, Any], replica_ids: Sequence[str]
-    ) -> dict[str, int] | None:
-        """Replica id -> prompt tokens the engine will find cached there; None when the
-        router cannot know (no tokenizer, a request it cannot reproduce, a stale view)."""
+    def predict(self, payload: Mapping[str, Any], replica_ids: Sequence[str]) -> Prediction | None:
+        """What the given replicas hold of the request's prompt; None when the router cannot
+        know (no tokenizer, a request it cannot reproduce, a stale view)."""
         if self.prompts is None or not self.fresh(replica_ids):
             return None
         tokens = self.prompts.tokens(payload)
@@ -140,7 +139,35 @@ class KVRouting:
             for layout in self.index.layouts(replica_ids)
         }
         matched = self.index.matched(replica_ids, keys)
-        return {
+        cached = {
             replica_id: blocks * (self.index.replicas[replica_id].block_size or 0)
             for replica_id, blocks in matched.items()
         }
+        return Prediction(cached, len(usable), _first_missing_key(keys, matched, self.index))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    cached: dict[str, int]
+    """Replica id -> prompt tokens the engine will find cached there."""
+    tokens: int
+    """The prompt tokens a cache can hold (all but the last)."""
+    new_block: int | None
+    """A 64-bit key of the first block of the prompt that no replica holds; None where the
+    replicas hold all of its full blocks (or it has none). Replicas that hold equally much
+    are ordered on the ring from this key: requests for one new prompt meet on one replica,
+    and new prompts that share their first blocks (a common preamble) still spread, which a
+    key from the prompt's first characters cannot do."""
+
+
+def _first_missing_key(
+    keys: Mapping[Layout, Sequence[BlockKey]], matched: Mapping[str, int], index: PrefixIndex
+) -> int | None:
+    """`Prediction.new_block`: in the first layout (a fleet of one kind has one) whose
+    replicas do not hold all of the request's blocks, the first block none of them holds."""
+    for layout in sorted(keys, key=lambda lay: (lay[0].value, lay[1])):
+        held = max((n for r, n in matched.items() if index.replicas[r].layout == layout), default=0)
+        if held < len(keys[layout]):
+            key = keys[layout][held]
+            return key if isinstance(key, int) else int.from_bytes(key[:8], "big")
+    return None

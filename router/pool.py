@@ -464,24 +464,29 @@ class ReplicaPool:
         available = model.available(time.monotonic())
         if adapter is not None:
             available = [r for r in available if adapter.name in r.adapters]
-        cached = None
+        prediction = None
         # The engines never share KV across adapters: the base model's view says nothing of
         # an adapter's cache.
         if model.kv is not None and available and adapter is None:
-            cached = model.kv.predict(payload, [r.url for r in available])
-            if cached is not None and predicted is not None:
-                predicted.update(cached)
+            prediction = model.kv.predict(payload, [r.url for r in available])
+            if prediction is not None and predicted is not None:
+                predicted.update(prediction.cached)
         if len(available) <= 1:
             return available
         candidates = [r.candidate() for r in available]
         strategy = model.strategy
         if strategy in ("prefix", "kv-aware"):
-            # Keyed by adapter too: the engines never share KV across adapters.
-            text = prefix_text(payload, self.settings.prefix_chars)
-            key = stable_hash(f"{adapter.name}\x00{text}" if adapter is not None else text)
+            if prediction is not None and prediction.new_block is not None:
+                key = prediction.new_block
+            else:
+                # Keyed by adapter too: the engines never share KV across adapters.
+                text = prefix_text(payload, self.settings.prefix_chars)
+                key = stable_hash(f"{adapter.name}\x00{text}" if adapter is not None else text)
             ordered = bounded_prefix(model.ring, key, candidates, model.load_factor)
-            if cached is not None:
-                ordered = most_cached(ordered, cached, model.load_factor)
+            if prediction is not None:
+                ordered = most_cached(
+                    ordered, prediction.cached, prediction.tokens, model.load_factor
+                )
         elif strategy == "round-robin":
             ordered = round_robin(candidates, model.turn)
             model.turn += 1

@@ -467,7 +467,7 @@ class Proxy:
         """Forward a stream event by event: only whole events go out, so that an error event
         after a broken upstream is never glued to half of another."""
         loop = asyncio.get_running_loop()
-        out = web.StreamResponse(
+        out = _Stream(
             status=upstream.status,
             headers={
                 "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
@@ -524,6 +524,13 @@ class Proxy:
         with contextlib.suppress(ConnectionResetError):
             await out.write_eof()
         return out
+
+
+class _Stream(web.StreamResponse):
+    """A relayed stream whose headers leave with its first event, in one write: the client
+    wakes once for both, which is a good part of what the router adds to time to first token."""
+
+    _send_headers_immediately = False
 
 
 async def _read_until_first_token(

@@ -113,15 +113,30 @@ def bounded_prefix(
 
 
 def most_cached(
-    ordered: Sequence[Candidate], cached: Mapping[str, int], load_factor: float
+    ordered: Sequence[Candidate], cached: Mapping[str, int], tokens: int, load_factor: float
 ) -> list[Candidate]:
     """kv-aware: the replicas under the load bound first (as `bounded_prefix` bounds them),
-    each group by most prompt tokens cached, ties in the given order (the prefix ring's, so
-    that requests sharing a prompt nobody holds yet still meet on one replica)."""
+    each group by the prompt tokens it holds that count, ties in the given order (the ring's
+    from the prompt's first block nobody holds, so that requests for one new prompt meet on
+    one replica).
+
+    What every candidate holds counts for none. What one holds beyond that counts only when
+    it is at least what the request would add there (`tokens` in all): the request mostly
+    continues what that replica holds (a conversation's next turn, another conversation on
+    a system prompt it keeps). A request that mostly starts something new (a new system
+    prompt after a preamble every replica holds, and a block of it that one replica happens
+    to hold) is placed by its own new blocks instead, so that new prompts spread over the
+    replicas rather than pile onto the one that holds the most of what they share."""
     if not ordered:
         return []
     capacity = load_capacity(sum(c.in_flight for c in ordered), len(ordered), load_factor)
-    return sorted(ordered, key=lambda c: (c.in_flight + 1 > capacity, -cached.get(c.id, 0)))
+    common = min(cached.get(c.id, 0) for c in ordered)
+
+    def counted(c: Candidate) -> int:
+        held = cached.get(c.id, 0)
+        return held if held - common >= tokens - held else common
+
+    return sorted(ordered, key=lambda c: (c.in_flight + 1 > capacity, -counted(c)))
 
 
 def _content_text(content: Any) -> str:

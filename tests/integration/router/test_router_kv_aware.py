@@ -199,3 +199,63 @@ async def test_a_replica_whose_events_cannot_be_followed_is_routed_by_prefix_has
                 assert r.status_code == 200
             metrics = (await client.get(f"{url}/metrics")).text
     assert metric_sum(metrics, "fleetllm:router_kv_predictions_total") == 0
+
+
+async def served_per_replica(client: httpx.AsyncClient, replicas: list[Process]) -> list[float]:
+    return [
+        metric_sum((await client.get(f"{r.url}/metrics")).text, "vllm:request_success_total")
+        for r in replicas
+    ]
+
+
+async def test_new_prompts_that_share_a_preamble_every_replica_holds_spread_over_them(
+    fleet: tuple[Path, list[Process], Path], tmp_path: Path
+) -> None:
+    """A preamble longer than the prefix hash reads (a company's boilerplate before each
+    assistant's own instructions), held by every replica: prefix hashing would send every
+    new prompt after it to one replica; kv-aware places each by its first block nobody
+    holds, so they spread."""
+    model, replicas, sockets = fleet
+    fleet_file = tmp_path / "fleet.json"
+    write_kv_fleet(fleet_file, model, replicas, sockets)
+    rng = random.Random(3)
+    preamble = "Policy of the harbor office. " + " ".join(
+        rng.choice(WORDS.split()) for _ in range(120)
+    )
+    assert len(preamble) > SETTINGS.prefix_chars
+    async with serve_router(SETTINGS, StaticDiscovery(fleet_file)) as (router, url):
+        pool = router.pool.models["kappa"]
+        kv = pool.kv
+        assert kv is not None
+        ids = [r.url for r in replicas]
+        await async_wait_until(
+            lambda: kv.prompts is not None and kv.fresh(ids), "every replica's events followed"
+        )
+        async with httpx.AsyncClient(timeout=GUARD) as client:
+            for r in replicas:  # every replica holds the preamble
+                answer = await client.post(
+                    f"{r.url}/v1/completions",
+                    json={"model": "kappa", "prompt": preamble, "max_tokens": 1},
+                )
+                assert answer.status_code == 200, answer.text
+
+            def preamble_held() -> bool:
+                prediction = kv.predict({"model": "kappa", "prompt": preamble}, ids)
+                return prediction is not None and min(prediction.cached.values()) > 0
+
+            await async_wait_until(preamble_held, "the preamble seen on every replica")
+            before = await served_per_replica(client, replicas)
+            for i in range(12):
+                body = {
+                    "model": "kappa",
+                    "prompt": f"{preamble}\nAssistant {i}: "
+                    + " ".join(rng.choice(WORDS.split()) for _ in range(40)),
+                    "max_tokens": 1,
+                }
+                answer = await client.post(f"{url}/v1/completions", json=body)
+                assert answer.status_code == 200, answer.text
+            after = await served_per_replica(client, replicas)
+    served = [a - b for a, b in zip(after, before, strict=True)]
+    assert sum(served) == 12
+    # One replica for all twelve has a chance of 3 x (1/3)^12 with the keys spread.
+    assert max(served) < 12, served

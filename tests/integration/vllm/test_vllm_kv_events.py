@@ -154,17 +154,18 @@ async def test_the_routers_index_over_vllm_sees_its_blocks_and_predicts_its_cach
         while kv.prompts is None or not kv.fresh([replica.url]):
             assert time.monotonic() - start < GUARD_S, "vLLM's events not followed"
             await asyncio.sleep(0.1)
-        assert kv.predict(payload, [replica.url]) == {replica.url: 0}
+        first_view = kv.predict(payload, [replica.url])
+        assert first_view is not None and first_view.cached == {replica.url: 0}
         async with httpx.AsyncClient(timeout=GUARD_S) as client:
             first = (await client.post(f"{replica.url}/v1/completions", json=payload)).json()
             prompt_tokens = first["usage"]["prompt_tokens"]
             blocks = kv.index.replicas[replica.url]
-            while blocks.layout is None or not kv.predict(payload, [replica.url])[replica.url]:
+            while blocks.layout is None or not _cached(kv, payload, replica.url):
                 assert time.monotonic() - start < GUARD_S, "vLLM's BlockStored not seen"
                 await asyncio.sleep(0.1)
             assert blocks.mismatch is None  # vLLM's hashes, as the router computes them
             block_size = blocks.layout[1]
-            predicted = kv.predict(payload, [replica.url])[replica.url]
+            predicted = _cached(kv, payload, replica.url)
             assert predicted == (prompt_tokens - 1) // block_size * block_size
             again = (await client.post(f"{replica.url}/v1/completions", json=payload)).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted
@@ -206,3 +207,9 @@ def test_the_router_routes_vllm_replicas_by_their_events(
         assert metric_sum(text, "fleetllm:router_kv_reported_cached_tokens_total") > 0
     finally:
         router.close()
+
+
+def _cached(kv: KVRouting, payload: dict[str, Any], replica: str) -> int:
+    prediction = kv.predict(payload, [replica])
+    assert prediction is not None
+    return prediction.cached[replica]

@@ -1,5 +1,5 @@
-"""kv-aware's pure parts: the order (most cached first, within the same load bound as prefix,
-ties in the prefix ring's order), the prompt's tokens as the engine sees them, and the
+"""kv-aware's pure parts: the order (most cached first where it counts, within the same load
+bound as prefix, ties in the ring's order), the prompt's tokens as the engine sees them, and the
 router's reading of what replicas send (any bytes: a view or a counted malformed batch)."""
 
 from __future__ import annotations
@@ -33,27 +33,43 @@ def test_most_cached_first_within_the_load_bound(
     candidates: list[Candidate], key: int, load_factor: float, data: st.DataObject
 ) -> None:
     cached = {c.id: data.draw(st.integers(0, 4)) * 16 for c in candidates}
+    tokens = data.draw(st.integers(max(cached.values()), 160))
     ring_order = bounded_prefix(HashRing([c.id for c in candidates]), key, candidates, load_factor)
-    order = most_cached(ring_order, cached, load_factor)
+    order = most_cached(ring_order, cached, tokens, load_factor)
     assert sorted(c.id for c in order) == sorted(c.id for c in candidates)
     capacity = load_capacity(sum(c.in_flight for c in candidates), len(candidates), load_factor)
     fits = [c for c in candidates if c.in_flight + 1 <= capacity]
     chosen = order[0]
     # The same bound as prefix: the choice fits whenever any replica does ...
     assert chosen.in_flight + 1 <= capacity
-    # ... and no replica that fits holds more of the prompt.
-    assert cached[chosen.id] == max(cached[c.id] for c in fits)
-    # Among those that hold as much, the prefix ring decides.
-    tied = [c.id for c in ring_order if c in fits and cached[c.id] == cached[chosen.id]]
-    assert chosen.id == tied[0]
+    # ... a replica that fits and holds beyond what all hold at least what the request would
+    # add there is never passed over for one that holds less ...
+    common = min(cached.values())
+    leads = [c for c in fits if cached[c.id] - common >= tokens - cached[c.id]]
+    if leads:
+        assert cached[chosen.id] == max(cached[c.id] for c in leads)
+    # ... and among those that count as much, the ring decides.
+    else:
+        assert chosen.id == next(c.id for c in ring_order if c in fits)
 
 
 def test_a_replica_over_the_bound_loses_its_cache_advantage() -> None:
     busy, idle = Candidate("a", in_flight=9), Candidate("b", in_flight=0)
-    order = most_cached([busy, idle], {"a": 512, "b": 0}, 1.25)
+    order = most_cached([busy, idle], {"a": 512, "b": 0}, 600, 1.25)
     assert [c.id for c in order] == ["b", "a"]
-    order = most_cached([Candidate("a", 1), idle], {"a": 512, "b": 0}, 1.25)
+    order = most_cached([Candidate("a", 1), idle], {"a": 512, "b": 0}, 600, 1.25)
     assert [c.id for c in order] == ["a", "b"]
+
+
+def test_a_new_prompt_after_a_shared_preamble_is_placed_by_the_ring() -> None:
+    """Every replica holds the preamble (112 tokens) and "a" one block more of it: the new
+    prompt (172 tokens) adds far more than that block saves, so the ring places it; the next
+    turn of a conversation "a" holds goes to "a"."""
+    ring_order = [Candidate("b"), Candidate("a"), Candidate("c")]
+    preamble = {"a": 128, "b": 112, "c": 112}
+    assert [c.id for c in most_cached(ring_order, preamble, 172, 1.25)] == ["b", "a", "c"]
+    conversation = {"a": 352, "b": 112, "c": 112}
+    assert most_cached(ring_order, conversation, 385, 1.25)[0].id == "a"
 
 
 @pytest.fixture(scope="module")

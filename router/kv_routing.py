@@ -165,8 +165,9 @@ def _first_missing_key(
 ) -> int | None:
     """`Prediction.new_block`: in the first layout (a fleet of one kind has one) whose
     replicas do not hold all of the request's blocks, the first block none of them holds."""
+    layouts = {r: blocks.layout for r in matched if (blocks := index.replicas.get(r))}
     for layout in sorted(keys, key=lambda lay: (lay[0].value, lay[1])):
-        held = max((n for r, n in matched.items() if index.replicas[r].layout == layout), default=0)
+        held = max((n for r, n in matched.items() if layouts.get(r) == layout), default=0)
         if held < len(keys[layout]):
             key = keys[layout][held]
             return key if isinstance(key, int) else int.from_bytes(key[:8], "big")

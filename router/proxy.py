@@ -527,8 +527,9 @@ class Proxy:
 
 
 class _Stream(web.StreamResponse):
-    """A relayed stream whose headers leave with its first event, in one write: the client
-    wakes once for both, which is a good part of what the router adds to time to first token."""
+    """A relayed stream whose headers leave with its first event (which is already in hand
+    when the response is prepared): one write and one wake-up of the client instead of two.
+    `_send_headers_immediately` is aiohttp's own switch for it (its `Response` sets it)."""
 
     _send_headers_immediately = False
 

@@ -7,7 +7,7 @@ Chunks are kept in a list and joined once (linear time, whatever the chunk sizes
 
 from __future__ import annotations
 
-import aiohttp
+from typing import Protocol
 
 MiB = 1 << 20
 
@@ -20,7 +20,22 @@ class TooLarge(Exception):
         self.limit = limit
 
 
-async def read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
+class _Content(Protocol):
+    async def readany(self) -> bytes: ...
+
+
+class Answer(Protocol):
+    """What is read of an answer: aiohttp's ClientResponse, or the router's own
+    `UpstreamResponse`."""
+
+    @property
+    def content_length(self) -> int | None: ...
+
+    @property
+    def content(self) -> _Content: ...
+
+
+async def read_bounded(response: Answer, limit: int) -> bytes:
     """The whole body of `response`, or TooLarge once it passes `limit` bytes."""
     declared = response.content_length
     if declared is not None and declared > limit:

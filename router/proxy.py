@@ -54,6 +54,7 @@ from fleetllm.router.sse import (
     stream_usage,
     total_tokens,
 )
+from fleetllm.router.upstream import UpstreamPool, UpstreamResponse
 from fleetllm.router.upstream_auth import replica_headers
 
 log = logging.getLogger("fleetllm.router")
@@ -144,24 +145,17 @@ class Proxy:
     metrics: RouterMetrics
     log_requests: bool = True
     inflight: InFlight = field(init=False)
-    _session: aiohttp.ClientSession | None = field(default=None, init=False)
+    upstream: UpstreamPool = field(init=False)
 
     def __post_init__(self) -> None:
         settings = self.settings
         self.inflight = InFlight(settings.max_inflight_requests, settings.max_inflight_bytes)
         self._salt_secret = _salt_secret(settings)
         # Timeouts past the connect are enforced per phase (first byte, whole request).
-        self._upstream_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=settings.connect_timeout
-        )
+        self.upstream = UpstreamPool(settings.connect_timeout)
 
-    def start(self, session: aiohttp.ClientSession) -> None:
-        self._session = session
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "the router is not started"
-        return self._session
+    async def stop(self) -> None:
+        await self.upstream.close()
 
     def add_routes(self, app: web.Application) -> None:
         for endpoint in ENDPOINTS:
@@ -354,7 +348,7 @@ class Proxy:
         loop = asyncio.get_running_loop()
         settings = self.settings
         headers = {**replica_headers(settings, lease.replica), "X-Request-Id": ctx.request_id}
-        upstream: aiohttp.ClientResponse | None = None
+        upstream: UpstreamResponse | None = None
         outcome = "error"
         events = EventSplitter(settings.max_event_bytes)
         try:
@@ -363,11 +357,8 @@ class Proxy:
             first_deadline = min(deadline, loop.time() + settings.first_byte_timeout)
             try:
                 async with asyncio.timeout_at(first_deadline) as phase:
-                    upstream = await self.session.post(
-                        lease.replica.url + ctx.request.path,
-                        data=ctx.body,
-                        headers=headers,
-                        timeout=self._upstream_timeout,
+                    upstream = await self.upstream.post(
+                        lease.replica.url + ctx.request.path, ctx.body, headers
                     )
                     outcome = str(upstream.status)
                     if upstream.status == 401:
@@ -459,7 +450,7 @@ class Proxy:
         self,
         lease: Lease,
         ctx: _Context,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         first: bytes,
         events: EventSplitter,
         deadline: float,
@@ -535,7 +526,7 @@ class _Stream(web.StreamResponse):
 
 
 async def _read_until_first_token(
-    upstream: aiohttp.ClientResponse, events: EventSplitter
+    upstream: UpstreamResponse, events: EventSplitter
 ) -> tuple[bytes, int]:
     """Read a stream up to and including its first event that commits it (see `sse.First`):
     the whole events read so far (the rest stays in `events`), and the error code when that

@@ -88,7 +88,6 @@ class Router:
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
         )
         self.pool.start(self._session)
-        self.proxy.start(self._session)
         self.access.start()
         self._discovery_task = asyncio.create_task(self._run_discovery())
 
@@ -99,6 +98,7 @@ class Router:
             await asyncio.gather(self._discovery_task, return_exceptions=True)
         await self.access.stop()
         await self.pool.stop()
+        await self.proxy.stop()
         if self._session is not None:
             await self._session.close()
 

@@ -18,6 +18,7 @@ prefix routing is for. Reports mean/median TTFT per strategy and round-robin / p
     python benchmarks/router.py                       # both parts, SmolLM2-135M
     python benchmarks/router.py --part latency --streams 64 --requests-per-client 3
     python benchmarks/router.py --part latency --strategy kv-aware
+    python benchmarks/router.py --part latency --latency-upstream stub --strategy kv-aware
     python benchmarks/router.py --part prefix --prompts 24 --requests-per-prompt 5
 """
 
@@ -394,6 +395,12 @@ def main() -> int:
     p.add_argument(
         "--strategy", default="prefix", help="latency part: the router's strategy (default prefix)"
     )
+    p.add_argument(
+        "--latency-upstream",
+        choices=("both", "engine", "stub"),
+        default="both",
+        help="latency part: behind the router, a real engine, the constant-time stub, or both",
+    )
     p.add_argument("--requests-per-client", type=int, default=3)
     p.add_argument("--stagger", type=float, default=2.0, help="seconds over which clients start")
     p.add_argument("--max-tokens", type=int, default=32, help="latency part: tokens per stream")
@@ -419,7 +426,10 @@ def main() -> int:
         workdir = Path(tmp)
         report: dict[str, Any] = {}
         if args.part in ("all", "latency"):
-            for name, stub in (("added_latency_engine", False), ("added_latency_stub", True)):
+            upstreams = (("added_latency_engine", False), ("added_latency_stub", True))
+            for name, stub in upstreams:
+                if args.latency_upstream not in ("both", "stub" if stub else "engine"):
+                    continue
                 report[name] = asyncio.run(latency_part(args, workdir, stub))
                 print(json.dumps({name: report[name]}, indent=2), flush=True)
         if args.part in ("all", "prefix"):

@@ -8,6 +8,7 @@ import datetime
 from typing import Any
 
 import kubernetes_validate
+import kubeschemas
 from openapi_schema_validator import OAS30Validator
 
 from fleetllm.operator.crd import openapi_schema
@@ -90,7 +91,7 @@ class Schemas:
         elif resource.group in VALIDATED_GROUPS:
             for version in KUBERNETES_VERSIONS:
                 try:
-                    kubernetes_validate.validate(obj, version, strict=True)
+                    kubeschemas.validate(obj, version)
                 except kubernetes_validate.ValidationError as exc:
                     found.append(f"{version}: {'.'.join(map(str, exc.path))}: {exc.message}")
         return found

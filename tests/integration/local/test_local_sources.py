@@ -6,10 +6,13 @@ idle, and the router's demand brings a replica back while the request waits."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import httpx
 from local_testkit import Up, fake_hub, snapshot, survivors
+
+from fleetllm.engine.model_files import cache_root
 
 REPO = "acme/tiny-chat"
 
@@ -55,6 +58,11 @@ def test_an_hf_model_is_pulled_served_scaled_to_zero_and_brought_back_on_demand(
     manifest = tmp_path / "hub.yaml"
     cache = tmp_path / "cache"
     folder = cache / "pulled" / "hf" / "acme" / "tiny-chat" / "main"
+    # The CPU attention kernels already built in the usual cache (their build is
+    # tests/unit/engine/test_cpu_attention.py's): without them, the first replica would
+    # compile its kernel into this cache, half a minute.
+    if (cache_root() / "kernels").is_dir():
+        shutil.copytree(cache_root() / "kernels", cache / "kernels")
     with fake_hub(REPO, tiny_model_dir) as hub:
         manifest.write_text(HF_FLEET.replace("{hub}", hub))
         up = Up(["-f", str(manifest)], tmp_path / "up", env={"FLEETLLM_CACHE_DIR": str(cache)})

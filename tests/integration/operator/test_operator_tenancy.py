@@ -213,10 +213,10 @@ async def test_the_resync_restores_an_unwatched_child(
 async def test_the_operator_waits_out_a_ten_minute_outage_and_applies_the_update_after_it(
     api: EmulatedApiServer, start_operator: Any, eventually: Any
 ) -> None:
-    # The production settings; the operator's clock runs 20 times faster than the wall's,
-    # so the ten minutes (kopf's retries, watch timeouts, resyncs, backoffs) take thirty
+    # The production settings; the operator's clock runs 40 times faster than the wall's,
+    # so the ten minutes (kopf's retries, watch timeouts, resyncs, backoffs) take fifteen
     # seconds. The test's clock (and the API server's) is the wall's.
-    rate = 20.0
+    rate = 40.0
     settings = make_settings(standalone=True)
     settings.scanning.disabled = True  # kmock cannot list namespaces
     operator = await start_operator(settings=settings, clock_rate=rate)

@@ -61,11 +61,11 @@ FLEET = (
     minReplicas: 1
     maxReplicas: 2
     targetQueueTimeSeconds: 60
-    scaleDownDelaySeconds: 20
+    scaleDownDelaySeconds: 5
 """
 )
 """The same model under `fleetllm up`'s autoscaler: one replica, two under load (six clients
-on four sequence slots need 6 / (4 x 0.8) = 1.9 replicas); back to one 20 s after. Least
+on four sequence slots need 6 / (4 x 0.8) = 1.9 replicas); back to one 5 s after. Least
 load, so that two requests of one prompt run one on each replica (the prefix strategy would
 keep both on the prompt's home)."""
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
+import kubeschemas
 import pytest
 from chart_operator import operator_config
 from examples import ALL_EXAMPLES
@@ -72,7 +72,7 @@ def test_every_engine_pod_setting_reaches_the_pods() -> None:
     default = _engine_deployment(OperatorConfig())
     deployment = _engine_deployment(_config(*SETTINGS))
     for version in ("1.30", "1.37"):
-        kubernetes_validate.validate(deployment, version, strict=True)
+        kubeschemas.validate(deployment, version)
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
     pod = deployment["spec"]["template"]["spec"]
     assert pod["runtimeClassName"] == "nvidia"
@@ -331,7 +331,7 @@ def test_any_engine_pod_settings_are_refused_by_name_or_render_a_valid_pod(
         return
     deployment = _engine_deployment(OperatorConfig(pod=pod_settings))
     for version in ("1.30", "1.37"):
-        kubernetes_validate.validate(deployment, version, strict=True)
+        kubeschemas.validate(deployment, version)
     pod = deployment["spec"]["template"]["spec"]
     assert _unique(pod["volumes"], "name")
     for container in [*pod.get("initContainers", []), *pod["containers"]]:

@@ -8,7 +8,7 @@ import base64
 import json
 from typing import Any
 
-import kubernetes_validate
+import kubeschemas
 import pytest
 
 from fleetllm.api.contract import ENGINE_KEY_FIELD, engine_key, engine_key_secret
@@ -50,7 +50,7 @@ def test_the_networkpolicy_lets_in_the_fleet_alone_and_keeps_engines_off_cloud_m
     )
     policy = _objects(config)["NetworkPolicy"]
     for version in ("1.30", "1.37"):
-        kubernetes_validate.validate(policy, version, strict=True)
+        kubeschemas.validate(policy, version)
     spec = policy["spec"]
     assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "smol"
     assert spec["policyTypes"] == ["Ingress", "Egress"]
@@ -92,7 +92,7 @@ def test_the_engine_reads_its_required_key_from_the_owned_secret(
     assert "--api-key" not in engine["args"]
 
     secret = new_key_secret(_cr(backend))
-    kubernetes_validate.validate(secret, "1.30", strict=True)
+    kubeschemas.validate(secret, "1.30")
     assert secret["metadata"]["name"] == engine_key_secret("smol")
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     key = _key(secret)
@@ -107,7 +107,7 @@ def _key(secret: dict[str, Any]) -> str:
 def test_with_a_root_the_key_is_the_derived_one() -> None:
     cr = _cr()
     secret = new_key_secret(cr, root="fleet-root")
-    kubernetes_validate.validate(secret, "1.30", strict=True)
+    kubeschemas.validate(secret, "1.30")
     assert _key(secret) == engine_key("fleet-root", "team-a", "smol", "u-1")
     assert _key(new_key_secret(cr, root="fleet-root")) == _key(secret)  # stable
     assert _key(new_key_secret(cr, root="rotated")) != _key(secret)

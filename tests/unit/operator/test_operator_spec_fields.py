@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import kubernetes_validate
+import kubeschemas
 import pytest
 
 from fleetllm.api.deployment import LLMDeployment
@@ -41,7 +41,7 @@ def deployment(cr: LLMDeployment) -> dict[str, Any]:
     objects = render(cr, plan(cr.spec))
     for obj in objects:
         for version in KUBERNETES_VERSIONS:
-            kubernetes_validate.validate(obj, version, strict=True)
+            kubeschemas.validate(obj, version)
     (found,) = [o for o in objects if o["kind"] == "Deployment"]
     return found
 

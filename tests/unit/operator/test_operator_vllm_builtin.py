@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import kubernetes_validate
+import kubeschemas
 import pytest
 from examples import VLLM_BUILTIN
 
@@ -28,7 +28,7 @@ def _pod(config: OperatorConfig) -> dict[str, Any]:
     )
     objects = render(cr.model_copy(update={"metadata": meta}), plan(cr.spec, config), config)
     for obj in objects:
-        kubernetes_validate.validate(obj, "1.30", strict=True)
+        kubeschemas.validate(obj, "1.30")
     (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
     return deployment["spec"]["template"]["spec"]  # type: ignore[no-any-return]
 

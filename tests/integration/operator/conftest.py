@@ -122,9 +122,7 @@ class RunningOperator:
             settings = make_settings(standalone=self.priority is None, priority=self.priority)
             settings.scanning.disabled = True  # kmock cannot list namespaces
         settings.watching.reconnect_backoff = 0.05
-        # At stop, handlers still running are cancelled at once: one that finished after kopf
-        # had stopped the timers would start them again, and kopf then waits 5 s for those.
-        settings.queueing.exit_timeout = 0.0
+        settings.queueing.exit_timeout = 0.1
         # An operator that stops on its own is a failure to report, never a process to kill
         # (kopf's last resort when it does not exit in time).
         settings.process.ultimate_exiting_timeout = None

@@ -28,8 +28,8 @@ MAX_HEADERS = 100
 MAX_LINE = 8 << 10
 READ_SIZE = 64 << 10
 KEEPALIVE_S = 60.0
-"""An idle connection is not reused after this long (replicas close theirs after 75 s or
-more: uvicorn's default is 5 s, which a dead connection's first write reveals; see `post`)."""
+"""An idle connection is closed after this long. A replica may close one sooner (uvicorn
+does after 5 s): `post` then sends the request again on a new connection."""
 
 Origin = tuple[str, str, int]
 
@@ -46,9 +46,9 @@ class _Connection:
         self.writer = writer
         self.idle_since = 0.0
 
-    def usable(self, now: float) -> bool:
+    def usable(self, now: float, keepalive_s: float) -> bool:
         return (
-            now - self.idle_since < KEEPALIVE_S
+            now - self.idle_since < keepalive_s
             and not self.reader.at_eof()
             and not self.writer.is_closing()
         )
@@ -60,11 +60,18 @@ class _Connection:
 class UpstreamPool:
     """Kept-alive connections per replica origin, and the requests made over them."""
 
-    def __init__(self, connect_timeout: float, max_idle_per_origin: int = 256) -> None:
+    def __init__(
+        self,
+        connect_timeout: float,
+        max_idle_per_origin: int = 256,
+        keepalive_s: float = KEEPALIVE_S,
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.max_idle_per_origin = max_idle_per_origin
+        self.keepalive_s = keepalive_s
         self._idle: dict[Origin, list[_Connection]] = {}
         self._tls: ssl.SSLContext | None = None
+        self._next_sweep = 0.0
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         """The answer's head; its body is read from `content`. The caller must `release` or
@@ -101,7 +108,7 @@ class UpstreamPool:
         now = time.monotonic()
         while idle:
             connection = idle.pop()
-            if connection.usable(now):
+            if connection.usable(now, self.keepalive_s):
                 return connection, True
             connection.close()
         scheme, host, port = origin
@@ -121,12 +128,29 @@ class UpstreamPool:
         return self._tls
 
     def keep(self, origin: Origin, connection: _Connection) -> None:
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._sweep(now)
         idle = self._idle.setdefault(origin, [])
         if len(idle) >= self.max_idle_per_origin:
             connection.close()
             return
-        connection.idle_since = time.monotonic()
+        connection.idle_since = now
         idle.append(connection)
+
+    def _sweep(self, now: float) -> None:
+        """Close the idle connections past their time, every origin's: a replica that left
+        the fleet is never asked again, and its connections would stay open otherwise."""
+        self._next_sweep = now + self.keepalive_s / 2
+        for origin, idle in list(self._idle.items()):
+            kept = [c for c in idle if c.usable(now, self.keepalive_s)]
+            for connection in idle:
+                if connection not in kept:
+                    connection.close()
+            if kept:
+                self._idle[origin] = kept
+            else:
+                del self._idle[origin]
 
     async def close(self) -> None:
         for idle in self._idle.values():

@@ -30,6 +30,7 @@ class Replica:
         self.script = script
         self.close_after = close_after
         self.connections = 0
+        self.closed = 0
         self.requests: list[bytes] = []
         self.server: asyncio.Server | None = None
 
@@ -59,6 +60,7 @@ class Replica:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self.closed += 1
             writer.close()
 
 
@@ -143,6 +145,21 @@ async def test_a_connection_the_replica_closed_while_idle_is_replaced_without_an
             await asyncio.sleep(0.05)  # the close reaches the kept connection
         await pool.close()
     assert r.connections == 3
+
+
+@pytest.mark.asyncio
+async def test_idle_connections_to_a_replica_no_longer_asked_are_closed() -> None:
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    async with replica(lambda n: ok) as gone, replica(lambda n: ok) as staying:
+        pool = UpstreamPool(connect_timeout=GUARD_S, keepalive_s=0.1)
+        assert await read_all(pool, gone.url) == (200, b"ok")
+        await asyncio.sleep(0.2)
+        assert await read_all(pool, staying.url) == (200, b"ok")
+        async with asyncio.timeout(GUARD_S):
+            while gone.closed < 1:
+                await asyncio.sleep(0.01)
+        assert staying.closed == 0
+        await pool.close()
 
 
 @pytest.mark.asyncio

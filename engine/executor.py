@@ -94,23 +94,29 @@ class LocalExecutor:
         pass
 
 
-def loopback_store() -> tuple[socket.socket, dist.TCPStore]:
+def loopback_store() -> dist.TCPStore:
     """A TCPStore that listens on the loopback only (the ranks are processes of this pod).
     Given a host and port, torch's store listens on every interface: anyone who reaches the
-    pod could join or poison the rendezvous. The listening socket is kept by the caller."""
+    pod could join or poison the rendezvous. The store closes the listening socket it is
+    given, so it gets the descriptor itself (`detach`): a Python socket left holding the same
+    number would close it a second time, after the number had gone to some other file."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    store = dist.TCPStore(
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        port = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    return dist.TCPStore(
         "127.0.0.1",
-        listener.getsockname()[1],
+        port,
         None,
         is_master=True,
         wait_for_workers=False,
         timeout=COLLECTIVE_TIMEOUT,
-        master_listen_fd=listener.fileno(),
+        master_listen_fd=listener.detach(),
     )
-    return listener, store
 
 
 class MultiprocExecutor:
@@ -125,7 +131,7 @@ class MultiprocExecutor:
         self._closing = False
         ctx = multiprocessing.get_context("spawn")
         # The ranks meet at a store this process hosts, on a free port of the loopback.
-        self._listener, self._store = loopback_store()
+        self._store = loopback_store()
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         for rank in range(size):

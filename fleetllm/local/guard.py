@@ -14,9 +14,11 @@ signal to the engine alone does not reach. The guard
   exited, kills whatever is left of its tree and exits with the engine's status (128 + N
   when signal N ended it).
 
-The engine runs in a process group of its own and with PR_SET_PDEATHSIG, so that it dies
-even if the guard itself is killed. Only the standard library and psutil are imported: the
-guard starts in milliseconds and holds next to no memory.
+The engine runs with PR_SET_PDEATHSIG, so that it dies even if the guard itself is killed,
+and stays in the guard's process group (the supervisor starts the guard as a group leader):
+the engine's children that PDEATHSIG does not reach (vLLM's engine core and workers) are
+still in that group, which the supervisor kills once the guard is gone. Only the standard
+library and psutil are imported: the guard starts in milliseconds and holds next to no memory.
 """
 
 from __future__ import annotations
@@ -48,9 +50,8 @@ def _prctl(option: int, value: int) -> bool:
 
 
 def _exec_child(command: Sequence[str], guard_pid: int) -> None:
-    """In the forked child: own process group, die with the guard, then become COMMAND."""
+    """In the forked child: die with the guard, then become COMMAND."""
     try:
-        os.setpgid(0, 0)
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         # The guard may have died between the fork and the prctl; then nothing would signal.
         if os.getppid() != guard_pid:
@@ -64,17 +65,15 @@ def _exec_child(command: Sequence[str], guard_pid: int) -> None:
         os._exit(EXEC_FAILED)
 
 
-def kill_tree(engine_pgid: int | None) -> None:
-    """SIGKILL every descendant of this process (and the engine's group), and reap them."""
+def kill_tree() -> None:
+    """SIGKILL every descendant of this process, and reap them. As a subreaper the guard is
+    the parent of every orphan of the tree, even of those that left its process group."""
     me = psutil.Process()
     for _ in range(KILL_ROUNDS):
         try:
             children = me.children(recursive=True)
         except psutil.Error:
             children = []
-        if engine_pgid is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(engine_pgid, signal.SIGKILL)
         if not children:
             break
         for child in children:
@@ -119,9 +118,6 @@ def run(command: Sequence[str], kill_fd: int) -> int:
     engine = os.fork()
     if engine == 0:
         _exec_child(command, guard_pid)
-    # Also set here: whichever of parent and child runs first, the group exists before use.
-    with contextlib.suppress(OSError):
-        os.setpgid(engine, engine)
 
     forwarded = 0
     while True:
@@ -131,11 +127,11 @@ def run(command: Sequence[str], kill_fd: int) -> int:
             forwarded += 1
         for pid, status in _reap():
             if pid == engine:
-                kill_tree(engine)
+                kill_tree()
                 return exit_code(status)
         readable, _, _ = select.select([kill_fd], [], [], POLL_S)
         if readable and not os.read(kill_fd, 64):
-            kill_tree(engine)
+            kill_tree()
             return 128 + signal.SIGKILL
 
 

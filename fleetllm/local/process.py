@@ -83,6 +83,11 @@ class GuardedProcess:
     async def wait(self) -> int:
         code = await self._guard.wait()
         self._close()
+        # A guard that was killed could not clear its tree: the engine died of PDEATHSIG, but
+        # its own children live on in the guard's process group. A guard that exited on its
+        # own left that group empty, and this finds no one.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._guard.pid, signal.SIGKILL)
         return code
 
     def terminate(self) -> None:

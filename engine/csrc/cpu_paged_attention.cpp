@@ -11,7 +11,8 @@
 // caches larger than the L3). Scores, softmax and the weighted sum are float32 whatever the
 // cache dtype. Sequences run in parallel on torch's intra-op threads.
 
-#include <torch/extension.h>
+#include "cpu_kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -202,11 +203,4 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     default:
       TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16, not ", q.scalar_type());
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // Without the GIL, as torch's own ops run: the server's event loop keeps serving while a
-  // step's attention runs (the kernel touches no Python object).
-  m.def("paged_decode", &paged_decode, "Decode attention over a paged KV cache (CPU)",
-        py::call_guard<py::gil_scoped_release>());
 }

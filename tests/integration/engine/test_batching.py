@@ -9,6 +9,7 @@ import pytest
 
 from fleetllm.engine.attention import TorchPagedAttention
 from fleetllm.engine.cpu_attention import CpuPagedAttention
+from fleetllm.engine.layer_ops import CpuLayerOps, TorchLayerOps
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.sampling_params import SamplingParams
 
@@ -132,14 +133,18 @@ def test_stats_count_tokens_and_requests(tiny_model) -> None:
     assert stats.num_kv_blocks == 64
 
 
-def test_the_cpu_kernel_and_the_torch_reference_give_the_same_tokens(tiny_model, alone) -> None:
-    """`alone` ran on the CPU decode kernel, the engine's choice on a CPU; the same workload
-    on the torch reference gives the same tokens."""
+def test_the_cpu_kernels_and_the_torch_reference_give_the_same_tokens(tiny_model, alone) -> None:
+    """`alone` ran on the CPU kernels (decode attention, the layers' fused elementwise steps),
+    the engine's choice on a CPU; the same workload on the torch reference gives the same
+    tokens."""
     path, _ = tiny_model(VARIANT)
     llm = make_llm(path, num_kv_blocks=1024)
-    attn = llm.engine.model.model.layers[0].self_attn.attn
+    model = llm.engine.model
+    attn = model.model.layers[0].self_attn.attn
     assert isinstance(attn, CpuPagedAttention)
-    llm.engine.model.set_attention(
+    assert isinstance(model.model.layers[0].mlp.ops, CpuLayerOps)
+    model.set_attention(
         TorchPagedAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
     )
+    model.set_layer_ops(TorchLayerOps())
     check(llm, alone)

@@ -34,7 +34,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 KINDS: list[tuple[str, tuple[str, ...]]] = [
-    ("attention", ("attention", "attn", "paged", "sdpa", "flash", "kv_cache", "reshape_and_cache")),
+    ("attention", ("attention", "attn", "decode", "paged", "sdpa", "flash", "kv_cache",
+                   "reshape_and_cache")),
     ("matmul", ("mm", "matmul", "linear", "gemm", "onednn", "mkldnn", "dot")),
     ("sampling", ("topk", "sort", "argmax", "multinomial", "exponential", "softmax", "cumsum",
                   "sample", "max", "log_softmax", "where")),
@@ -131,20 +132,28 @@ def measure(engine: Any, add: Callable[[str, list[int]], None], args: argparse.N
     return {"prefill": filled, "decode": profile_steps(engine.step, args.steps)}
 
 
+def named(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def wrapper(*args: Any) -> Any:
+        with record_function(name):
+            return method(*args)
+
+    return wrapper
+
+
 def fleetllm_engine(args: argparse.Namespace) -> dict[str, Any]:
-    from fleetllm.engine import cpu_attention
+    from fleetllm.engine import cpu_attention, layer_ops
     from fleetllm.engine.llm import LLM
     from fleetllm.engine.sampling_params import SamplingParams
 
-    # The kernel is a pybind function, which the profiler does not see: named here (vLLM's
-    # kernels are torch operators, which it sees).
-    decode = cpu_attention.CpuPagedAttention.decode
-
-    def named_decode(self: Any, *args: Any) -> None:
-        with record_function("fleetllm::paged_attention_decode"):
-            decode(self, *args)
-
-    cpu_attention.CpuPagedAttention.decode = named_decode  # type: ignore[method-assign]
+    # The engine's CPU kernels are pybind functions, which the profiler does not see: named
+    # here (vLLM's kernels are torch operators, which it sees).
+    for owner, method in [
+        (cpu_attention.CpuPagedAttention, "decode"),
+        (layer_ops.CpuLayerOps, "rms_norm"),
+        (layer_ops.CpuLayerOps, "rotary"),
+        (layer_ops.CpuLayerOps, "silu_and_mul"),
+    ]:
+        setattr(owner, method, named(getattr(owner, method), f"fleetllm::{method}"))
     llm = LLM(
         args.model,
         dtype=args.dtype,

@@ -88,7 +88,10 @@ def test_choice_masks_allow_exactly_the_tokens_that_keep_the_text_a_prefix_of_a_
         if data.draw(st.booleans(), "stray"):  # any token at all
             token = data.draw(st.integers(0, VOCAB - 1), "token")
             if token not in allowed:
-                assert g.matcher.validate_tokens([token]) == 0
+                # Outside the language, refused; a non-canonical split the mask left out
+                # (choice "ga", token "g") may still validate.
+                if token not in expected:
+                    assert g.matcher.validate_tokens([token]) == 0
                 continue
         else:
             token = data.draw(st.sampled_from(sorted(allowed)), "token")

@@ -1,7 +1,7 @@
 """The engine's C++ kernels for CPUs (`csrc/`): built on first use, loaded once.
 
 One extension module holds them all: decode attention over the paged KV cache
-(`cpu_attention.py`) and the fused elementwise steps of a layer (`cpu_layer_ops.py`). It is
+(`cpu_attention.py`) and the fused elementwise steps of a layer (`layer_ops.py`). It is
 compiled on first use with the machine's C++ compiler, through torch's extension builder, and
 kept under the fleetllm cache (`<cache>/kernels/<name>/`); the name carries a hash of the
 sources, the flags and the torch version, so a stale build is never loaded. Where no compiler

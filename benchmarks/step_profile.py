@@ -141,6 +141,8 @@ def named(method: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 def fleetllm_engine(args: argparse.Namespace) -> dict[str, Any]:
+    from throughput import linear_params, matmul_peak
+
     from fleetllm.engine import cpu_attention, layer_ops
     from fleetllm.engine.llm import LLM
     from fleetllm.engine.sampling_params import SamplingParams
@@ -162,7 +164,7 @@ def fleetllm_engine(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
     )
     engine = llm.engine
-    results = {}
+    results: dict[str, Any] = {}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for size in args.batch:
         results[str(size)] = measure(
@@ -170,6 +172,13 @@ def fleetllm_engine(args: argparse.Namespace) -> dict[str, Any]:
         )
         for i in range(size):
             engine.abort_request(f"{size}-{i}")
+    cfg = engine.model_config
+    head = cfg.hidden_size * cfg.vocab_size
+    results["matmul"] = {
+        "peak_flops": matmul_peak(cfg, engine.dtype),
+        "weights_per_token": linear_params(cfg) - head,
+        "head": head,
+    }
     llm.shutdown()
     return results
 
@@ -208,9 +217,25 @@ def print_kinds(found: dict[str, Any], total_ms: float) -> None:
     print("      top operators: " + ", ".join(f"{n} {ms}" for n, ms in found["top_ops_ms"][:6]))
 
 
-def print_table(name: str, results: dict[str, Any]) -> None:
+def print_table(name: str, results: dict[str, Any], matmul: dict[str, float] | None) -> None:
+    """Each batch's prefill and decode by kind; with fleetllm's run, the matmuls' FLOP/s
+    against the peak it measured (2 FLOPs per weight per token; the head's only for the rows
+    whose logits are taken)."""
     for size, r in results.items():
+        if size == "matmul":
+            continue
         pre, dec = r["prefill"], r["decode"]
+        if matmul is not None:
+            weights, head = matmul["weights_per_token"], matmul["head"]
+            for phase, flops, ms in [
+                ("prefill", 2 * (pre["prompt_tokens"] * weights + int(size) * head),
+                 pre["by_kind_ms"]["matmul"]),
+                ("decode", 2 * int(size) * (weights + head), dec["by_kind_ms"]["matmul"]),
+            ]:  # fmt: skip
+                achieved = flops / ms * 1000
+                r[f"{phase}_matmul_of_peak"] = achieved / matmul["peak_flops"]
+                print(f"  {name:<8} batch {size:>3} {phase} matmuls: {achieved / 1e9:6.1f} "
+                      f"GFLOP/s, {achieved / matmul['peak_flops']:.0%} of the peak")  # fmt: skip
         rate = pre["prompt_tokens"] / pre["prefill_ms"] * 1000
         print(f"  {name:<8} batch {size:>3} prefill: {pre['prompt_tokens']} prompt tokens "
               f"in {pre['prefill_ms']:.0f} ms, {pre['prefill_steps']} steps "
@@ -253,9 +278,13 @@ def main() -> int:
     print(f"cores     : {os.cpu_count()}, threads {args.threads}; load average {os.getloadavg()}")
     print(f"model     : {args.model}; dtype {args.dtype}; {args.steps} steps per figure")
     found: dict[str, dict[str, Any]] = {}
+    matmul = None
     if args.engine in ("both", "fleetllm"):
         found["fleetllm"] = fleetllm_engine(args)
-        print_table("fleetllm", found["fleetllm"])
+        matmul = found["fleetllm"]["matmul"]
+        print(f"matmul peak: {matmul['peak_flops'] / 1e9:.1f} GFLOP/s (the model's widest "
+              "projection on 1024 rows, fleetllm's kernels and threads)")  # fmt: skip
+        print_table("fleetllm", found["fleetllm"], matmul)
     if args.engine in ("both", "vllm"):
         python = find_vllm_python()
         if python is None:
@@ -278,11 +307,11 @@ def main() -> int:
             found["vllm"] = json.loads(out.read_text())
         finally:
             out.unlink(missing_ok=True)
-        print_table("vLLM", found["vllm"])
+        print_table("vLLM", found["vllm"], matmul)
     if len(found) == 2:
         ours, theirs = found["fleetllm"], found["vllm"]
         print("fleetllm / vLLM, time (below 1: fleetllm is faster):")
-        for size in ours:
+        for size in theirs:
             pre = ours[size]["prefill"]["prefill_ms"] / theirs[size]["prefill"]["prefill_ms"]
             dec = ours[size]["decode"]["step_ms"] / theirs[size]["decode"]["step_ms"]
             print(f"  batch {size:>3}: prefill of the batch {pre:.2f}x, decode step {dec:.2f}x")

@@ -59,21 +59,21 @@ def kind_of(name: str) -> str:
     return "other operators"
 
 
-def by_kind(prof: profile, divisor: float) -> tuple[dict[str, float], list[tuple[str, float]]]:
-    """The profiled operators' self time by kind, and the top operators, in ms / `divisor`."""
+def breakdown(prof: profile, wall_ms: float, divisor: float) -> dict[str, Any]:
+    """The profiled operators' self time by kind and the top operators, in ms / `divisor`;
+    what no operator accounts for of `wall_ms` is "outside operators"."""
     kinds: dict[str, float] = {}
     top: list[tuple[float, str]] = []
     for event in prof.key_averages():
         ms = event.self_cpu_time_total / 1000 / divisor
-        kinds[kind_of(event.key)] = kinds.get(kind_of(event.key), 0.0) + ms
+        kind = kind_of(event.key)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
         top.append((ms, event.key))
-    return kinds, [(name, round(ms, 3)) for ms, name in sorted(top, reverse=True)[:12]]
-
-
-def breakdown(prof: profile, wall_ms: float, divisor: float) -> dict[str, Any]:
-    kinds, top = by_kind(prof, divisor)
     kinds["outside operators"] = wall_ms - sum(kinds.values())
-    return {"by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top_ops_ms": top}
+    return {
+        "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "top_ops_ms": [(name, round(ms, 3)) for ms, name in sorted(top, reverse=True)[:12]],
+    }
 
 
 def profile_steps(step: Callable[[], Any], steps: int) -> dict[str, Any]:

@@ -43,11 +43,17 @@ from fleetllm.engine.sampling_params import SamplingParams
 
 def make_workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    # Ids from the ordinary part of the vocabulary (specials sit at the start).
+    low = ordinary_ids(vocab)
     return [
-        ([rng.randrange(1000, vocab) for _ in range(rng.randint(32, 256))], rng.randint(16, 128))
+        ([rng.randrange(low, vocab) for _ in range(rng.randint(32, 256))], rng.randint(16, 128))
         for _ in range(n)
     ]
+
+
+def ordinary_ids(vocab: int) -> int:
+    """The first id of the ordinary part of the vocabulary: specials sit at the start (a tiny
+    test model's vocabulary is all ordinary past its first quarter)."""
+    return min(1000, vocab // 4)
 
 
 def log(msg: str) -> None:
@@ -155,8 +161,11 @@ def step_overhead(llm: LLM, batch: int, context: int, iters: int) -> tuple[float
     engine = llm.engine
     rng = random.Random(1)
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    low = ordinary_ids(vocab)
     for i in range(batch):
-        engine.add_request(f"o{i}", [rng.randrange(1000, 40000) for _ in range(context)], params)
+        prompt = [rng.randrange(low, vocab) for _ in range(context)]
+        engine.add_request(f"o{i}", prompt, params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()  # finish every prefill: from here on each step is a pure decode batch
     step_times = []
@@ -167,7 +176,7 @@ def step_overhead(llm: LLM, batch: int, context: int, iters: int) -> tuple[float
     # The same batch shape, forward only: the scheduler's current batch, prepared once.
     scheduled = engine.scheduler.schedule().scheduled
     runner = engine.runner
-    step, _ = engine.step_builder.build(scheduled, engine.kv.take_fresh_blocks())
+    step, _, _ = engine.step_builder.build(scheduled, engine.kv.take_fresh_blocks())
     fwd_times = []
     with torch.inference_mode():
         inp = runner.prepare(step)

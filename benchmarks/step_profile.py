@@ -9,7 +9,12 @@ attention, element-wise work and norms, copies and indexing, sampling, the rest.
 operator accounts for ("outside operators": the engine's Python, scheduling, the profiler's
 own cost) is the profiled step's time less the operators' time.
 
-    python benchmarks/step_profile.py [--batch 1 32 64] [--steps 20] [--dtype auto]
+    python benchmarks/step_profile.py [--batch 1 32 64] [--steps 20] [--dtype auto] [--vllm-eager]
+
+vLLM runs as its server runs it: compiled by torch.compile (inductor), which fuses its
+element-wise work into generated kernels; the profiler sees those as compiled regions ("compiled
+code" below). `--vllm-eager` runs it without compiling (enforce_eager), operator by operator, a
+slower vLLM than users get: only for a breakdown by named operator.
 
 vLLM runs with the Python of `$FLEETLLM_VLLM_PYTHON`, else `.venv-vllm/bin/python`; this
 file runs there too, so it imports only the standard library and torch at
@@ -34,6 +39,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 KINDS: list[tuple[str, tuple[str, ...]]] = [
+    ("compiled code", ("compiled", "cpp_fused")),
     ("attention", ("attention", "attn", "decode", "paged", "sdpa", "flash", "kv_cache",
                    "reshape_and_cache")),
     ("matmul", ("mm", "matmul", "linear", "gemm", "onednn", "mkldnn", "dot")),
@@ -94,6 +100,10 @@ def profile_steps(step: Callable[[], Any], steps: int) -> dict[str, Any]:
         "profiled_step_ms": profiled_ms,
         **breakdown(prof, profiled_ms, steps),
     }
+
+
+WARM_UP = list(range(1000, 1016))
+"""A first request for each engine before anything is timed."""
 
 
 def batch(size: int, seed: int) -> list[list[int]]:
@@ -166,6 +176,7 @@ def fleetllm_engine(args: argparse.Namespace) -> dict[str, Any]:
     engine = llm.engine
     results: dict[str, Any] = {}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(WARM_UP, SamplingParams(max_tokens=4))
     for size in args.batch:
         results[str(size)] = measure(
             engine, lambda rid, prompt: engine.add_request(rid, prompt, params), args, size
@@ -192,12 +203,13 @@ def vllm_engine(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=max(args.batch),
-        enforce_eager=True,
+        enforce_eager=args.vllm_eager,
         seed=args.seed,
     )
     engine = llm.llm_engine
     results = {}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate({"prompt_token_ids": WARM_UP}, SamplingParams(max_tokens=4))
     for size in args.batch:
         results[str(size)] = measure(
             engine,
@@ -260,6 +272,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument(
+        "--vllm-eager", action="store_true", help="vLLM without torch.compile (slower than served)"
+    )
     ap.add_argument("--in-vllm-python", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.in_vllm_python:  # started below, in vLLM's Python
@@ -295,6 +310,8 @@ def main() -> int:
                      "steps", "warmup"):  # fmt: skip
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         argv += ["--batch", *map(str, args.batch)]
+        if args.vllm_eager:
+            argv.append("--vllm-eager")
         env = os.environ | {
             "VLLM_CPU_KVCACHE_SPACE": "2",
             "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",

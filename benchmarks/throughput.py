@@ -40,20 +40,19 @@ from fleetllm.engine.llm import LLM
 from fleetllm.engine.model_files import resolve_model
 from fleetllm.engine.sampling_params import SamplingParams
 
+FIRST_ORDINARY_ID = 1000
+"""Prompts take ids from here to the vocabulary's end: the specials sit at the start."""
+
 
 def make_workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    low = ordinary_ids(vocab)
     return [
-        ([rng.randrange(low, vocab) for _ in range(rng.randint(32, 256))], rng.randint(16, 128))
+        (
+            [rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(rng.randint(32, 256))],
+            rng.randint(16, 128),
+        )
         for _ in range(n)
     ]
-
-
-def ordinary_ids(vocab: int) -> int:
-    """The first id of the ordinary part of the vocabulary: specials sit at the start (a tiny
-    test model's vocabulary is all ordinary past its first quarter)."""
-    return min(1000, vocab // 4)
 
 
 def log(msg: str) -> None:
@@ -162,9 +161,8 @@ def step_overhead(llm: LLM, batch: int, context: int, iters: int) -> tuple[float
     rng = random.Random(1)
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
     vocab = engine.model_config.vocab_size
-    low = ordinary_ids(vocab)
     for i in range(batch):
-        prompt = [rng.randrange(low, vocab) for _ in range(context)]
+        prompt = [rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(context)]
         engine.add_request(f"o{i}", prompt, params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()  # finish every prefill: from here on each step is a pure decode batch

@@ -60,8 +60,11 @@ def timed(config: dict[str, int], make: Callable[[torch.Tensor], Linear], rows: 
 
 
 def fleetllm_packed(weight: torch.Tensor) -> Linear:
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    from fleetllm.engine.cpu_linear import PackedLinear
+
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data = weight
+    return PackedLinear(linear, batch_hint=64)  # the engine's layer, packed for 64 rows
 
 
 def blas(weight: torch.Tensor) -> Linear:

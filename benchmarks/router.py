@@ -66,6 +66,7 @@ class Proc:
     def __init__(self, args: list[str], log: Path, program: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [*(program or [sys.executable, "-m", "fleetllm.cli"]), *args,
@@ -90,7 +91,11 @@ async def wait_healthy(procs: list[Proc]) -> None:
         for p in procs:
             while True:
                 if p.proc.poll() is not None:
-                    raise RuntimeError(f"{p.url} exited with {p.proc.returncode}")
+                    # Its last words: the logs live in a directory removed on the way out.
+                    tail = p.log.read_text(errors="replace").strip().splitlines()[-5:]
+                    raise RuntimeError(
+                        f"{p.url} exited with {p.proc.returncode}:\n" + "\n".join(tail)
+                    )
                 try:
                     async with session.get(f"{p.url}/health") as r:
                         if r.status == 200:

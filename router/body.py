@@ -12,15 +12,22 @@ from fleetllm.router.errors import RouterError
 
 async def read_body(request: web.Request, max_bytes: int, timeout: float) -> bytes:
     """The whole body; 413 past `max_bytes`, 408 when it has not all come after `timeout`."""
-    too_large = RouterError(413, f"The body exceeds the limit of {max_bytes} bytes.")
     if (request.content_length or 0) > max_bytes:
-        raise too_large
+        raise _too_large(max_bytes)
     try:
+        if request.content.is_eof():
+            # All of it came with the headers (the common case): nothing to wait for, so no
+            # timer to set on the way to the replica.
+            return await request.read()
         async with asyncio.timeout(timeout):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise too_large from None
+        raise _too_large(max_bytes) from None
     except TimeoutError:
         raise RouterError(
             408, f"The request body did not arrive within {timeout:g} seconds."
         ) from None
+
+
+def _too_large(max_bytes: int) -> RouterError:
+    return RouterError(413, f"The body exceeds the limit of {max_bytes} bytes.")

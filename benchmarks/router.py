@@ -66,7 +66,7 @@ class Proc:
     def __init__(self, args: list[str], log: Path, program: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
+        self.log_path = log
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [*(program or [sys.executable, "-m", "fleetllm.cli"]), *args,
@@ -92,7 +92,7 @@ async def wait_healthy(procs: list[Proc]) -> None:
             while True:
                 if p.proc.poll() is not None:
                     # Its last words: the logs live in a directory removed on the way out.
-                    tail = p.log.read_text(errors="replace").strip().splitlines()[-5:]
+                    tail = p.log_path.read_text(errors="replace").strip().splitlines()[-5:]
                     raise RuntimeError(
                         f"{p.url} exited with {p.proc.returncode}:\n" + "\n".join(tail)
                     )

@@ -1,5 +1,6 @@
 """Every linear layer of a model, on weights that come from memory as in an engine step:
-fleetllm's packed linear (torch's oneDNN path, `engine/cpu_linear.py`), vLLM's `onednn_mm` and
+fleetllm's packed linear (torch's oneDNN path, `engine/cpu_linear.py`), the same layer as the
+engine runs it (up to `FEW_ROWS` rows on its own few-rows kernel), vLLM's `onednn_mm` and
 `F.linear` (BLAS), at a few row counts, in one run.
 
 Each layer gets weights of its own (random, the model's shapes, float32), so a pass over the
@@ -67,6 +68,18 @@ def fleetllm_packed(weight: torch.Tensor) -> Linear:
     return PackedLinear(linear, batch_hint=64)  # the engine's layer, packed for 64 rows
 
 
+def fleetllm_layer(weight: torch.Tensor) -> Linear:
+    from fleetllm.engine import cpu_kernels
+    from fleetllm.engine.cpu_linear import use_few_rows_kernel
+
+    layer = fleetllm_packed(weight)
+    kernel = cpu_kernels.load_kernel()
+    if kernel is None:
+        raise SystemExit("the engine's CPU kernels did not build: see the warning above")
+    use_few_rows_kernel(layer, kernel)
+    return layer
+
+
 def blas(weight: torch.Tensor) -> Linear:
     return lambda x: F.linear(x, weight)
 
@@ -101,6 +114,7 @@ def main() -> int:
     print(f"cpu flags: {cpu_features.describe()}; {args.threads} threads; {args.model}, float32")
     found = {
         "fleetllm packed": timed(config, fleetllm_packed, args.rows, args.passes),
+        "fleetllm layer": timed(config, fleetllm_layer, args.rows, args.passes),
         "F.linear (BLAS)": timed(config, blas, args.rows, args.passes),
     }
     python = find_vllm_python()

@@ -153,7 +153,7 @@ def named(method: Callable[..., Any], name: str) -> Callable[..., Any]:
 def fleetllm_engine(args: argparse.Namespace) -> dict[str, Any]:
     from throughput import linear_params, matmul_peak
 
-    from fleetllm.engine import cpu_attention, layer_ops
+    from fleetllm.engine import cpu_attention, cpu_kernels, layer_ops
     from fleetllm.engine.llm import LLM
     from fleetllm.engine.sampling_params import SamplingParams
 
@@ -166,6 +166,9 @@ def fleetllm_engine(args: argparse.Namespace) -> dict[str, Any]:
         (layer_ops.CpuLayerOps, "silu_and_mul"),
     ]:
         setattr(owner, method, named(getattr(owner, method), f"fleetllm::{method}"))
+    kernel = cpu_kernels.load_kernel()  # the module the engine's layers take it from
+    if kernel is not None:
+        kernel.few_rows_linear = named(kernel.few_rows_linear, "fleetllm::few_rows_linear")
     llm = LLM(
         args.model,
         dtype=args.dtype,

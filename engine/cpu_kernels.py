@@ -1,7 +1,8 @@
 """The engine's C++ kernels for CPUs (`csrc/`): built on first use, loaded once.
 
 One extension module holds them all: decode attention over the paged KV cache
-(`cpu_attention.py`) and the fused elementwise steps of a layer (`layer_ops.py`). It is
+(`cpu_attention.py`), the fused elementwise steps of a layer (`layer_ops.py`) and float32
+linear layers on a few rows (`cpu_linear.py`). It is
 compiled on first use with the machine's C++ compiler, through torch's extension builder, and
 kept under the fleetllm cache (`<cache>/kernels/<name>/`); the name carries a hash of the
 sources, the flags and the torch version, so a stale build is never loaded. Where no compiler
@@ -32,7 +33,13 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
-    CSRC / name for name in ("cpu_bindings.cpp", "cpu_paged_attention.cpp", "cpu_layer_ops.cpp")
+    CSRC / name
+    for name in (
+        "cpu_bindings.cpp",
+        "cpu_paged_attention.cpp",
+        "cpu_layer_ops.cpp",
+        "cpu_few_rows_linear.cpp",
+    )
 )
 HEADERS = (CSRC / "cpu_kernels.h",)
 # x86-64-v3 (AVX2, FMA, F16C, ...) is what every x86 CPU of the last decade has, so one build

@@ -5,14 +5,28 @@ layout on every call; for the small batches of decoding that reordering costs as
 matmul. Reordering once at load time gives the same results at a fraction of the time. In
 float32 on x86 the reordered weights also beat `nn.Linear`'s BLAS call: 1.3-2.5x at decode
 batches of 8-64 rows and 1.1-1.25x at 512 (AVX2, docs/engine.md).
+
+At one to `FEW_ROWS` rows (decoding one to a few sequences) a float32 layer is a pass over its
+weight, bound by memory bandwidth, and the engine's own kernel (`csrc/cpu_few_rows_linear.cpp`)
+makes that pass from the plain weight faster than oneDNN does from its layout: 1.1-1.3x over
+every linear of SmolLM2 at one to four rows (docs/benchmarks.md). So a float32 layer keeps its
+plain weight beside the reordered one (`sizing.keeps_plain_linears`; a tied LM head's plain
+weight is the embedding itself), and runs few rows on the kernel once the engine hands it one
+(`use_few_rows_kernel`).
 """
 
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from torch import nn
+
+FEW_ROWS = 4
+"""Rows at most that a float32 layer runs on the few-rows kernel (measured: from about six rows
+on, oneDNN's reordered matmul is the faster)."""
 
 _DTYPE_SUPPORTED = {
     torch.bfloat16: "_is_mkldnn_bf16_supported",
@@ -44,8 +58,18 @@ class PackedLinear(nn.Module):
             torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint),
         )
         self.bias = linear.bias
+        # The plain weight, for the few-rows kernel (float32 only). The same Parameter where
+        # its rows are whole (a tied head shares it with the embedding); a tensor-parallel
+        # shard read as a view of the checkpoint is made whole.
+        weight = linear.weight if linear.weight.dtype == torch.float32 else None
+        if weight is not None and not weight.is_contiguous():
+            weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+        self.weight = weight
+        self.few_rows: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS:
+            return self.few_rows(x.contiguous(), self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
@@ -60,3 +84,12 @@ def pack_linear_layers(model: nn.Module, batch_hint: int) -> int:
                 setattr(module, name, PackedLinear(child, batch_hint))
                 replaced += 1
     return replaced
+
+
+def use_few_rows_kernel(model: nn.Module, kernel: ModuleType) -> int:
+    """Run few rows of every float32 `PackedLinear` of `model` on the CPU kernels' few-rows
+    pass; returns how many layers now do."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.weight is not None]
+    for layer in layers:
+        layer.few_rows = kernel.few_rows_linear
+    return len(layers)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fleetllm.engine import cpu_attention, cpu_kernels, kv_cache
+from fleetllm.engine import cpu_attention, cpu_kernels, cpu_linear, kv_cache
 from fleetllm.engine.attention import AttentionMetadata, build_metadata
 from fleetllm.engine.block_manager import NULL_BLOCK, KVCacheManager
 from fleetllm.engine.config import ModelConfig
@@ -299,6 +299,10 @@ class ModelRunner:
             log.info("attention backend", extra=dict(self.attention))
             return
         self.model.set_layer_ops(CpuLayerOps(kernel))
+        if layers := cpu_linear.use_few_rows_kernel(self.model, kernel):
+            log.info(
+                "few-rows linear kernel", extra={"layers": layers, "rows": cpu_linear.FEW_ROWS}
+            )
         if attention_supported:
             attn = self.model.model.layers[0].self_attn.attn  # this rank's heads
             self.model.set_attention(

@@ -36,6 +36,12 @@ def packs_linears(device: str, quantization: str | None) -> bool:
     return device == "cpu" and quantization is None
 
 
+def keeps_plain_linears(packed: bool, dtype_bytes: int) -> bool:
+    """Whether packed linears also keep their plain weight: in float32, for the few-rows
+    kernel (`cpu_linear`), which reads it. A tied LM head's plain weight is the embedding."""
+    return packed and dtype_bytes == 4
+
+
 def kv_bytes_per_token(
     *, num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str, dtype_bytes: int
 ) -> int:
@@ -55,7 +61,7 @@ def weight_bytes_per_rank(
     one byte per value of the projections, the embedding and the head, plus 16-bit scales:
     int8 a scale and an offset per `int8_group` of a row, fp8 a scale per row. `packed`: the
     linears are reordered for oneDNN (`packs_linears`), so a tied head is a matrix of its
-    own."""
+    own; in float32 each also keeps its plain weight (`keeps_plain_linears`)."""
     if arch.intermediate_size is None:
         raise ValueError(f"{arch.name}: the MLP's shape needs an intermediate size")
     hidden, head_dim, layers = arch.hidden_size, arch.head_dim, arch.num_layers
@@ -72,6 +78,10 @@ def weight_bytes_per_rank(
     matrices = [*layer * layers, (vocab_rows, hidden)]
     if not arch.tied_embeddings or packed:
         matrices.append((vocab_rows, hidden))
+    if keeps_plain_linears(packed, dtype_bytes):
+        matrices += layer * layers
+        if not arch.tied_embeddings:
+            matrices.append((vocab_rows, hidden))
     values = sum(rows * cols for rows, cols in matrices)
     norms = (2 * layers + 1) * hidden
     bias = layers * qkv_rows if arch.qkv_bias else 0

@@ -16,4 +16,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [rows, 2 * width] gate_up rows",
         no_gil);
+  m.def("few_rows_linear", &few_rows_linear, "x @ weight.T (+ bias) in float32, for few rows of x",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), no_gil);
 }

@@ -1,6 +1,7 @@
 // The engine's CPU kernels, one Python extension (cpu_kernels.py builds it): decode attention
-// over the paged KV cache (cpu_paged_attention.cpp) and the fused elementwise steps of a
-// layer (cpu_layer_ops.cpp). Every function checks its inputs before reading any of them.
+// over the paged KV cache (cpu_paged_attention.cpp), the fused elementwise steps of a layer
+// (cpu_layer_ops.cpp) and float32 linear layers on a few rows (cpu_few_rows_linear.cpp).
+// Every function checks its inputs before reading any of them.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,3 +17,6 @@ void rotary_qk(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& c
                const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t dim);
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight,
+                           const c10::optional<at::Tensor>& bias);

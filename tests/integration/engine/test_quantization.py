@@ -91,11 +91,12 @@ def test_int8_weights_agree_with_float32_in_under_a_third_of_the_memory(
         overall, decisive = agreement(llm.engine, reference)
         int8_bytes = llm.engine.weight_bytes[0]
     # Against float32's weights as the checkpoint has them: where the CPU's matmuls run on
-    # reordered weights, the float32 engine also keeps a reordered copy of its tied head.
+    # reordered weights, the float32 engine keeps a reordered copy of every linear (its tied
+    # head's included) beside the plain weight.
     fp32_bytes = smollm2_llm.engine.weight_bytes[0]
-    head = smollm2_llm.engine.model.lm_head
-    if isinstance(head, PackedLinear):
-        fp32_bytes -= head.packed_weight.numel() * head.packed_weight.element_size()
+    for module in smollm2_llm.engine.model.modules():
+        if isinstance(module, PackedLinear):
+            fp32_bytes -= module.packed_weight.numel() * module.packed_weight.element_size()
     ratio = int8_bytes / fp32_bytes
     print(
         f"\nint8 weights: top-1 agreement {overall:.2%} over {POSITIONS} positions, "

@@ -91,11 +91,11 @@ def test_tiny_models_match_hf_greedy_over_ranks(name: str, tmp_path: Path) -> No
     ) as llm:
         outputs = llm.generate(prompts, params)
         full = sum(p.numel() * p.element_size() for p in hf.parameters())
-        if overrides.get("tie_word_embeddings") and packing_supported(
-            torch.float32, torch.device("cpu")
-        ):
-            # The linear layers run on reordered weights: a tied head is a second copy.
-            full += hf.get_input_embeddings().weight.nbytes
+        if packing_supported(torch.float32, torch.device("cpu")):
+            # The linear layers run on reordered weights, and in float32 keep their plain
+            # weight too: every linear's weight twice (a tied head's plain one is the
+            # embedding).
+            full += sum(m.weight.nbytes for m in hf.modules() if isinstance(m, torch.nn.Linear))
         shares = llm.engine.weight_bytes
         assert llm.engine.stats().kv_cache_usage == 0.0
     for prompt, out in zip(prompts, outputs, strict=True):

@@ -24,6 +24,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from fleetllm.engine import sizing
+
 FEW_ROWS = 4
 """Rows at most that a float32 layer runs on the few-rows kernel (measured: from about six rows
 on, oneDNN's reordered matmul is the faster)."""
@@ -61,7 +63,8 @@ class PackedLinear(nn.Module):
         # The plain weight, for the few-rows kernel (float32 only). The same Parameter where
         # its rows are whole (a tied head shares it with the embedding); a tensor-parallel
         # shard read as a view of the checkpoint is made whole.
-        weight = linear.weight if linear.weight.dtype == torch.float32 else None
+        plain = sizing.keeps_plain_linears(packed=True, dtype_bytes=linear.weight.element_size())
+        weight = linear.weight if plain else None
         if weight is not None and not weight.is_contiguous():
             weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.weight = weight

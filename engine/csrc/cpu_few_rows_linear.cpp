@@ -19,6 +19,10 @@
 namespace {
 
 constexpr int kLanes = 8;   // one AVX2 register of float32
+constexpr int kCols = 4;    // weight rows (outputs) per tile
+constexpr int kBatch = 4;   // rows of x per pass over the weight
+constexpr int64_t kTilesPerTask = 16;
+
 // kLanes floats as one value of the compiler's vector extension: a register where the target
 // has one that wide, pairs or scalars where it has not (the code is the same).
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
@@ -28,9 +32,6 @@ inline Lanes load(const float* p) {
   std::memcpy(&v, p, sizeof v);  // an unaligned load
   return v;
 }
-constexpr int kCols = 4;    // weight rows (outputs) per tile
-constexpr int kBatch = 4;   // rows of x per pass over the weight
-constexpr int64_t kTilesPerTask = 16;
 
 // Outputs [n, n + count) (count <= kCols) of M rows of x.
 template <int M>

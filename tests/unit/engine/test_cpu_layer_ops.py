@@ -25,10 +25,11 @@ def ops() -> CpuLayerOps:
     return CpuLayerOps(kernel)
 
 
-def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Within a rounding or two of the model dtype, at the scale of the values (about 1)."""
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, roundings: int = 1) -> bool:
+    """Within `roundings` roundings of the model dtype, at the scale of the values (about
+    1)."""
     got, want = got.double(), want.double()
-    return bool(((got - want).abs() <= ULPS[dtype] * (want.abs() + 1)).all())
+    return bool(((got - want).abs() <= roundings * ULPS[dtype] * (want.abs() + 1)).all())
 
 
 def padded(rows: int, width: int, pad: int, dtype: torch.dtype, gen: torch.Generator):
@@ -61,7 +62,9 @@ def test_rms_norm_matches_the_reference(ops, shape, width, first_layer):
     )
     before = x.clone()
     got, got_residual = ops.rms_norm(x, residual, weight, 1e-5)
-    assert close(got, want, dtype)
+    # Two roundings in the model dtype: the normalised value, then its product with the
+    # weight; each may land on the other side (float16, 43 rows of 536, seed 14707: 2 ulps).
+    assert close(got, want, dtype, roundings=2)
     # The stream after the add: exact, one rounding of the same sum.
     assert torch.equal(got_residual, want_residual)
     if first_layer:

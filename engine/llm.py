@@ -15,6 +15,7 @@ from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.lora_adapter import LoRAAdapter
 from fleetllm.engine.request import RequestOutput
 from fleetllm.engine.sampling_params import RequestOutputKind, SamplingParams
+from fleetllm.engine.scheduling_policy import DEFAULT_POLICY as DEFAULT_SCHEDULING_POLICY
 from fleetllm.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -50,6 +51,7 @@ class LLM:
         kv_cache_memory_fraction: float = 0.25,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
+        scheduling_policy: str = DEFAULT_SCHEDULING_POLICY,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
@@ -77,6 +79,7 @@ class LLM:
                 kv_cache_memory_fraction=kv_cache_memory_fraction,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
+                scheduling_policy=scheduling_policy,
                 enable_prefix_caching=enable_prefix_caching,
                 seed=seed,
                 device=device,

@@ -100,6 +100,7 @@ class Request:
         self.cache_salt = cache_salt  # prefix-cache blocks are shared only within one salt
         self.lora = lora  # the adapter it runs with (None: the base model)
         self.lora_slot: int | None = None  # its device slot while it runs
+        self.arrival_step = 0  # the scheduler's step count when it was added (its policy's)
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.user_stop_token_ids = frozenset(params.stop_token_ids or ())
         # Tokens that end generation, and that min_tokens keeps from being sampled early.

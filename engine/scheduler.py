@@ -6,6 +6,9 @@ token, an unfinished prefill its next chunk. Waiting requests then fill what is 
 cached prefix blocks. When the KV pool runs dry the most recently admitted request is preempted:
 its blocks are freed and it goes back to the front of the queue to be recomputed later.
 
+Which waiting request goes first is the scheduling policy (scheduling_policy.py): arrival
+order, or by default shortest prompt first among requests that arrived together.
+
 A request with a LoRA adapter also needs one of the `max_loras` device slots (`LoRASlots`) to
 run: it takes one when admitted and gives it back when it finishes or is preempted. While every
 slot is held by requests of other adapters it waits, and the requests behind it go first.
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from fleetllm.engine.block_manager import KVCacheManager
 from fleetllm.engine.lora_slots import LoRASlots
 from fleetllm.engine.request import Request, RequestStatus
+from fleetllm.engine.scheduling_policy import DEFAULT_POLICY, POLICIES, shortest_first_key
 
 
 @dataclass
@@ -62,18 +66,26 @@ class Scheduler:
         max_num_batched_tokens: int,
         proposer: Proposer | None = None,
         lora_slots: LoRASlots | None = None,
+        policy: str = DEFAULT_POLICY,
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
         self.kv = kv
         self.lora_slots = lora_slots or LoRASlots(0, 0)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.proposer = proposer
+        self.policy = policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_steps = 0
+        self._waiting_ordered = True
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        request.arrival_step = self.num_steps
+        self._waiting_ordered = len(self.waiting) < 2
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,6 +93,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.num_steps += 1
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -111,6 +124,9 @@ class Scheduler:
 
         # Requests preempted this step wait for the next one: admitting new work now would
         # only take back the blocks just freed.
+        if not self._waiting_ordered and self.policy == "shortest-first":
+            self.waiting = deque(sorted(self.waiting, key=self._admission_key))
+        self._waiting_ordered = True
         no_slot: list[Request] = []  # passed over: every LoRA slot is held by other adapters
         while (
             not out.preempted
@@ -151,6 +167,11 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(no_slot))
         return out
+
+    def _admission_key(self, req: Request) -> float:
+        # sorted() is stable: requests with equal keys keep their order, preempted ones (put
+        # back at the front) included.
+        return shortest_first_key(req.arrival_step, req.num_tokens, self.max_num_batched_tokens)
 
     def on_step_computed(self, out: SchedulerOutput) -> None:
         """Advance each scheduled request past the tokens the step computed and kept (its

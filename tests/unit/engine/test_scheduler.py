@@ -55,7 +55,8 @@ def test_max_num_seqs_caps_admission() -> None:
 
 def test_pool_exhaustion_preempts_most_recently_admitted() -> None:
     kv = KVCacheManager(4, BS, enable_prefix_caching=False)  # 16 token slots
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    # Arrival order, so that b, the shorter, is admitted after a.
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, policy="fcfs")
     a, b = make("a", 8), make("b", 4, start=50)
     sched.add(a)
     sched.add(b)
@@ -117,3 +118,62 @@ def test_prefix_hits_are_counted_in_tokens() -> None:
     assert planned(out)["b"] == 2
     assert kv.prefix_queries == 20
     assert kv.prefix_hits == 8
+
+
+def admitted_order(sched: Scheduler, steps: int) -> list[str]:
+    """Request ids in the order their prefills were first scheduled, over `steps` steps."""
+    seen: list[str] = []
+    for _ in range(steps):
+        for s in run_step(sched).scheduled:
+            if s.request.request_id not in seen:
+                seen.append(s.request.request_id)
+    return seen
+
+
+def test_shortest_first_admits_requests_that_arrived_together_by_prompt_length() -> None:
+    lengths = {"a": 30, "b": 5, "c": 17, "d": 5, "e": 9}
+    orders = {}
+    for policy in ("shortest-first", "fcfs"):
+        kv = KVCacheManager(64, BS, enable_prefix_caching=False)
+        # A budget of 10 tokens: one short prompt (or a chunk) per step, as in a burst.
+        sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=10, policy=policy)
+        for i, (rid, n) in enumerate(lengths.items()):
+            sched.add(make(rid, n, start=100 * i))
+        orders[policy] = admitted_order(sched, 12)
+    # Equal lengths keep their arrival order.
+    assert orders["shortest-first"] == ["b", "d", "e", "c", "a"]
+    assert orders["fcfs"] == ["a", "b", "c", "d", "e"]
+
+
+def test_shortest_first_lets_no_long_prompt_starve() -> None:
+    """A stream of short prompts overtakes a long one only while they arrive within its own
+    prefill time after it (prompt tokens over the step budget, in steps)."""
+    kv = KVCacheManager(512, BS, enable_prefix_caching=False)
+    # One sequence at a time: each step admits exactly one waiting request.
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=8)
+    sched.add(make("long", 24))  # three steps' worth of prefill on its own
+    first_step: dict[str, int] = {}
+    for step in range(8):
+        # Each step a short request arrives: alone, each would always go first.
+        sched.add(make(f"short{step}", 2, start=2000 + 10 * step))
+        for s in run_step(sched).scheduled:
+            first_step.setdefault(s.request.request_id, step)
+        sched.remove_finished(list(sched.running))
+    overtook = [r for r, at in first_step.items() if r != "long" and at < first_step["long"]]
+    # short0..short2 arrived within three steps of it; later ones wait behind it.
+    assert overtook == ["short0", "short1", "short2"]
+    assert first_step["short3"] == first_step["long"] + 1
+
+
+def test_preempted_request_is_readmitted_before_later_arrivals() -> None:
+    kv = KVCacheManager(4, BS, enable_prefix_caching=False)  # 16 token slots
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = make("a", 4), make("b", 8, start=50)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # a (shorter) admitted first; 3 of 4 blocks used
+    out = run_step(sched)  # a's 5th token takes the last block; b's 9th finds none
+    assert out.preempted == [b]
+    sched.add(make("late", 1, start=90))  # shorter than b, but it arrives after it
+    sched.remove_finished([a])
+    assert admitted_order(sched, 1) == ["b", "late"]

@@ -68,14 +68,16 @@ def test_every_builtin_example_plans_arguments_the_engine_reads() -> None:
 
 def test_extra_args_the_engine_has_are_passed_after_the_planned_ones() -> None:
     extra = ["--num-threads=3", "--no-enable-prefix-caching", "--step-timeout", "30"]
+    extra += ["--scheduling-policy=fcfs"]
     planned = plan(spec(CPU, extraArgs=extra))
-    assert list(planned.args[-4:]) == extra
+    assert list(planned.args[-5:]) == extra
     read = parse_serve_args(planned.args)
     assert (read["num_threads"], read["enable_prefix_caching"], read["step_timeout"]) == (
         3,
         False,
         30.0,
     )
+    assert read["scheduling_policy"] == "fcfs"
 
 
 @pytest.mark.parametrize(
@@ -84,6 +86,8 @@ def test_extra_args_the_engine_has_are_passed_after_the_planned_ones() -> None:
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--num-threads", "many"], "--num-threads: invalid int value: 'many'"),
         (["--log-level=loud"], "invalid choice: 'loud'"),
+        # vLLM's other policy: this engine takes no per-request priority to order by.
+        (["--scheduling-policy", "priority"], "invalid choice: 'priority'"),
         (["--help"], "print its help and exit"),
         (["stray"], "unrecognized arguments: stray"),
         (["--num-threads"], "expected one argument"),

@@ -96,7 +96,12 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
         help="size the KV cache as this fraction of free memory (default 0.25)",
     )
     p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="a step's token budget (default: 512 on a CPU, 2048 elsewhere)",
+    )
     p.add_argument(
         "--scheduling-policy",
         choices=POLICIES,

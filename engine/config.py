@@ -302,7 +302,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.25
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: the device's (step_token_budget)
     scheduling_policy: str = DEFAULT_SCHEDULING_POLICY  # scheduling_policy.py
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -324,6 +324,13 @@ class EngineConfig:
     max_cpu_loras: int | None = None
 
     @property
+    def step_token_budget(self) -> int:
+        """max_num_batched_tokens, or where it is not given the device's default (sizing)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return sizing.default_max_num_batched_tokens(self.device)
+
+    @property
     def publishes_kv_events(self) -> bool:
         return isinstance(self.kv_events_config, KVEventsConfig) and self.kv_events_config.enabled
 
@@ -338,7 +345,7 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )

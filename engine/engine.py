@@ -138,7 +138,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
-            config.max_num_batched_tokens,
+            config.step_token_budget,
             proposer,
             self.lora_slots,
             config.scheduling_policy,

@@ -50,7 +50,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_cache_memory_fraction: float = 0.25,
         max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         scheduling_policy: str = DEFAULT_SCHEDULING_POLICY,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,

@@ -22,6 +22,20 @@ WEIGHT_SCALE_BYTES = 2
 """Quantized weights' scales (and int8's offsets) are 16-bit."""
 
 
+MAX_NUM_BATCHED_TOKENS = 2048
+"""A step's token budget where none is given (vLLM's), but on a CPU."""
+
+CPU_MAX_NUM_BATCHED_TOKENS = 512
+"""A CPU step's token budget where none is given. 512 rows already keep a CPU's matmuls at
+their peak, while a step of 2048 prompt tokens takes seconds there, holding back every
+decode and every other first token; measured in docs/benchmarks.md ("Step budget and
+admission order"). The planner gives its CPU replicas the same budget, for its activations."""
+
+
+def default_max_num_batched_tokens(device: str) -> int:
+    return CPU_MAX_NUM_BATCHED_TOKENS if device == "cpu" else MAX_NUM_BATCHED_TOKENS
+
+
 def int8_group(columns: int) -> int:
     """How many inputs of a row of `columns` share one int8 scale and offset: INT8_GROUP, or
     the whole row when INT8_GROUP does not divide it."""

@@ -44,7 +44,7 @@ class ClassTuning:
 
 
 TUNING: dict[str, ClassTuning] = {
-    "cpu": ClassTuning(Fraction(90, 100), 512, 8),
+    "cpu": ClassTuning(Fraction(90, 100), sizing.CPU_MAX_NUM_BATCHED_TOKENS, 8),
     "24g": ClassTuning(Fraction(90, 100), 2048, 256),
     "40g": ClassTuning(Fraction(92, 100), 4096, 256),
     "80g": ClassTuning(Fraction(92, 100), 8192, 512),

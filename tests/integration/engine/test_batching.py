@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from fleetllm.engine import sizing
 from fleetllm.engine.attention import TorchPagedAttention
 from fleetllm.engine.cpu_attention import CpuPagedAttention
 from fleetllm.engine.layer_ops import CpuLayerOps, TorchLayerOps
@@ -55,9 +56,14 @@ def check(llm: LLM, alone: list[list[int]]) -> None:
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_submitted_together(tiny_model, alone) -> None:
+@pytest.mark.parametrize("policy", ["shortest-first", "fcfs"])
+def test_submitted_together(tiny_model, alone, policy: str) -> None:
     path, _ = tiny_model(VARIANT)
-    check(make_llm(path, num_kv_blocks=1024), alone)
+    llm = make_llm(path, num_kv_blocks=1024, scheduling_policy=policy)
+    # On a CPU, with no budget given, a step takes the CPU's (sizing).
+    assert llm.engine.scheduler.max_num_batched_tokens == sizing.CPU_MAX_NUM_BATCHED_TOKENS
+    assert llm.engine.scheduler.policy == policy
+    check(llm, alone)
 
 
 def test_chunked_prefill_with_tiny_token_budget(tiny_model, alone) -> None:

@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from fleetllm.engine import kv_cache, sizing
+from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.quantization import quantize_matrix
+from fleetllm.planner.extra_args import parse_serve_args
+from fleetllm.planner.memory import TUNING
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])
@@ -36,3 +39,12 @@ def test_a_quantized_matrix_takes_what_the_formula_counts(method: str, columns: 
     scales = rows * 2 * (columns // sizing.int8_group(columns)) if method == "int8" else rows
     assert m.values.element_size() == 1
     assert got == rows * columns + scales * sizing.WEIGHT_SCALE_BYTES
+
+
+def test_a_steps_token_budget_is_the_devices_unless_given() -> None:
+    assert parse_serve_args(["--model", "m"])["max_num_batched_tokens"] is None
+    assert EngineConfig(model="m").step_token_budget == sizing.CPU_MAX_NUM_BATCHED_TOKENS == 512
+    assert EngineConfig(model="m", device="cuda").step_token_budget == 2048
+    assert EngineConfig(model="m", max_num_batched_tokens=96).step_token_budget == 96
+    # What the planner gives its CPU replicas is the same fact.
+    assert TUNING["cpu"].max_num_batched_tokens == sizing.CPU_MAX_NUM_BATCHED_TOKENS

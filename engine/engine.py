@@ -135,13 +135,9 @@ class LLMEngine:
         proposer = NgramProposer(spec, self.max_model_len).propose if spec else None
         slots = config.max_loras if config.enable_lora else 0
         self.lora_slots = LoRASlots(slots, config.max_lora_rank)
+        budget, policy = config.step_token_budget, config.scheduling_policy
         self.scheduler = Scheduler(
-            self.kv,
-            config.max_num_seqs,
-            config.step_token_budget,
-            proposer,
-            self.lora_slots,
-            config.scheduling_policy,
+            self.kv, config.max_num_seqs, budget, proposer, self.lora_slots, policy
         )
         # Sampling runs where the logits arrive: on the model's device in this process, on
         # the CPU when tensor-parallel ranks send them. Unseeded draws come from there; seeded

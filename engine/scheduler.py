@@ -122,11 +122,11 @@ class Scheduler:
                 budget -= scheduled.num_new_tokens
                 i += 1
 
-        # Requests preempted this step wait for the next one: admitting new work now would
-        # only take back the blocks just freed.
         if not self._waiting_ordered and self.policy == "shortest-first":
             self.waiting = deque(sorted(self.waiting, key=self._admission_key))
         self._waiting_ordered = True
+        # Requests preempted this step wait for the next one: admitting new work now would
+        # only take back the blocks just freed.
         no_slot: list[Request] = []  # passed over: every LoRA slot is held by other adapters
         while (
             not out.preempted

@@ -318,12 +318,10 @@ def _serve(args: argparse.Namespace) -> int:
 async def serve(router: Router, host: str, port: int, shutdown_timeout: float = 30.0) -> None:
     """Serve until SIGTERM or SIGINT; then stop accepting, let requests in flight finish (up
     to `shutdown_timeout`), and return."""
-    from aiohttp import web
+    from fleetllm.router.server import RouterServer
 
-    runner = router.runner(shutdown_timeout)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
-    await site.start()
+    server = RouterServer(router, shutdown_timeout)
+    await server.start(host, port, backlog=1024)
     logging.getLogger("fleetllm.router").info(
         "router listening", extra={"host": host, "port": port}
     )
@@ -335,4 +333,4 @@ async def serve(router: Router, host: str, port: int, shutdown_timeout: float = 
         await stop.wait()
     finally:
         router.stopping = True
-        await runner.cleanup()
+        await server.stop()

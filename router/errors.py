@@ -1,14 +1,21 @@
 """The router's errors: the shared `APIError` (`fleetllm.errors`) with response headers (such as
-`Retry-After`), raised anywhere on a request's path and answered by the application's error
-middleware (`fleetllm.router.server`), the one place that turns errors into responses."""
+`Retry-After`), raised anywhere on a request's path and answered by `answer_errors`, the one
+place that turns errors into responses."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from fleetllm.errors import APIError
+
+log = logging.getLogger("fleetllm.router")
+R = TypeVar("R")
+FAILED = "The router failed to handle the request."
+"""The message of a fault of the router's own (500)."""
 
 
 class RouterError(APIError):
@@ -28,3 +35,19 @@ def error_response(exc: APIError) -> web.Response:
     return web.Response(
         status=exc.status, body=exc.json(), content_type="application/json", headers=headers
     )
+
+
+async def answer_errors(handler: Callable[[Any], Awaitable[R]], request: Any) -> R | web.Response:
+    """The handler's answer; an error raised on the way, as the client's answer (the one
+    place where errors become answers, for requests that aiohttp or the front read)."""
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(APIError(exc.status, exc.reason))
+    except Exception:
+        log.exception("request failed", extra={"path": request.path})
+        return error_response(APIError(500, FAILED))

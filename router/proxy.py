@@ -33,6 +33,7 @@ from fleetllm.router.body import read_body
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.endpoints import BY_PATH, ENDPOINTS
 from fleetllm.router.errors import RouterError
+from fleetllm.router.front import FastRequest, FrontStream
 from fleetllm.router.holding import HoldRejected
 from fleetllm.router.inflight import InFlight
 from fleetllm.router.lora import AdapterRoute
@@ -63,6 +64,11 @@ MAX_PREAMBLE_BYTES = 1 << 20
 RETRY_AFTER_SECONDS = 5
 CLIENT_CLOSED = 499
 """The status of a request whose client went away before its answer was complete (nginx's)."""
+
+
+Answer = web.StreamResponse | FrontStream
+"""A proxied request's answer: aiohttp's for a request aiohttp read, else the front's stream
+(a whole answer is a `web.Response` either way)."""
 
 
 class _ClientGone(Exception):
@@ -106,7 +112,7 @@ class _Context:
         "tokens",
     )
 
-    def __init__(self, request: web.Request, request_id: str, arrival: float) -> None:
+    def __init__(self, request: web.Request | FastRequest, request_id: str, arrival: float) -> None:
         self.request = request
         self.request_id = request_id
         self.arrival = arrival
@@ -162,7 +168,7 @@ class Proxy:
 
     # -- one request -------------------------------------------------------------------------
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.Request | FastRequest) -> Answer:
         loop = asyncio.get_running_loop()
         ctx = _Context(request, _request_id(request.headers.get("X-Request-Id")), loop.time())
         try:
@@ -183,7 +189,7 @@ class Proxy:
         self._finish(ctx, CLIENT_CLOSED if ctx.client_gone else response.status)
         return response
 
-    async def _serve(self, ctx: _Context) -> web.StreamResponse:
+    async def _serve(self, ctx: _Context) -> Answer:
         request = ctx.request
         settings = self.settings
         ctx.key = self.access.authenticate(request.headers.get("Authorization"))
@@ -275,7 +281,7 @@ class Proxy:
 
     # -- replicas ----------------------------------------------------------------------------
 
-    async def _route(self, model: ModelPool, ctx: _Context) -> web.StreamResponse:
+    async def _route(self, model: ModelPool, ctx: _Context) -> Answer:
         loop = asyncio.get_running_loop()
         settings = self.settings
         deadline = ctx.arrival + settings.request_timeout
@@ -339,9 +345,7 @@ class Proxy:
             if ctx.attempts >= settings.max_attempts or now >= min(retry_until, deadline):
                 return failure.response()
 
-    async def _attempt(
-        self, lease: Lease, ctx: _Context, deadline: float
-    ) -> web.StreamResponse | _Failure:
+    async def _attempt(self, lease: Lease, ctx: _Context, deadline: float) -> Answer | _Failure:
         """One try on one replica. A _Failure means nothing reached the client, and that the
         replica could not serve (it has been backed off): another replica may."""
         loop = asyncio.get_running_loop()
@@ -453,20 +457,23 @@ class Proxy:
         first: bytes,
         events: EventSplitter,
         deadline: float,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """Forward a stream event by event: only whole events go out, so that an error event
         after a broken upstream is never glued to half of another."""
         loop = asyncio.get_running_loop()
-        out = _Stream(
-            status=upstream.status,
-            headers={
-                "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
-                "Cache-Control": "no-cache",
-                "X-Request-Id": ctx.request_id,
-            },
-        )
+        headers = {
+            "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+            "Cache-Control": "no-cache",
+            "X-Request-Id": ctx.request_id,
+        }
+        request = ctx.request
+        out: _Stream | FrontStream
+        if isinstance(request, FastRequest):
+            out = FrontStream(request.connection, upstream.status, headers)
+        else:
+            out = _Stream(status=upstream.status, headers=headers)
         try:
-            await out.prepare(ctx.request)
+            await out.prepare(request)
         except ConnectionResetError:
             ctx.client_gone = True
             return out
@@ -559,7 +566,7 @@ def _event_data(data: bytes) -> bytes:
     return b"\n".join(lines)
 
 
-async def _write(out: web.StreamResponse, data: bytes) -> None:
+async def _write(out: web.StreamResponse | FrontStream, data: bytes) -> None:
     try:
         await out.write(data)
     except ConnectionResetError:

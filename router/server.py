@@ -18,12 +18,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from fleetllm.errors import APIError
 from fleetllm.router.access import Access, KeysLoader
 from fleetllm.router.admin import AdminApi
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import Discovery, Fleet
-from fleetllm.router.errors import RouterError, error_response
+from fleetllm.router.endpoints import ENDPOINTS
+from fleetllm.router.errors import RouterError, answer_errors
+from fleetllm.router.front import FastRequest, Front, FrontStream
 from fleetllm.router.metrics import CONTENT_TYPE, RouterMetrics
 from fleetllm.router.openapi import openapi_schema
 from fleetllm.router.pool import ModelPool, ReplicaPool
@@ -33,9 +34,12 @@ from fleetllm.version import __version__
 
 log = logging.getLogger("fleetllm.router")
 
+FAST_PATHS = frozenset(endpoint.path.encode() for endpoint in ENDPOINTS)
+
 
 class Router:
-    """The routing state and its HTTP endpoints. `app()` wraps it in an aiohttp application."""
+    """The routing state and its HTTP endpoints. `app()` wraps them in an aiohttp application;
+    `RouterServer` serves them, started and stopped with the router."""
 
     def __init__(
         self,
@@ -127,15 +131,11 @@ class Router:
             self.admin.add_routes(app)
         app.router.add_route("*", "/{tail:.*}", self.handle_unknown)
 
-        async def on_startup(_: web.Application) -> None:
-            await self.start()
-
-        async def on_cleanup(_: web.Application) -> None:
-            await self.stop()
-
-        app.on_startup.append(on_startup)
-        app.on_cleanup.append(on_cleanup)
         return app
+
+    async def handle_fast(self, request: FastRequest) -> web.StreamResponse | FrontStream:
+        """A proxied request the front read (see `RouterServer`)."""
+        return await answer_errors(self.proxy.handle, request)
 
     def runner(self, shutdown_timeout: float = 30.0) -> web.AppRunner:
         """The application's runner: a client is cut off when its headers are late (aiohttp
@@ -217,14 +217,51 @@ class Router:
 @web.middleware
 async def _errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """The one place where errors become answers."""
-    try:
-        return await handler(request)
-    except APIError as exc:
-        return error_response(exc)
-    except web.HTTPException as exc:
-        if exc.status < 400:
+    return await answer_errors(handler, request)
+
+
+class RouterServer:
+    """The router on its socket: the front (`front`), which reads the proxied endpoints'
+    plain requests itself, and behind it the aiohttp application for everything else."""
+
+    def __init__(self, router: Router, shutdown_timeout: float = 30.0) -> None:
+        self.router = router
+        self.shutdown_timeout = shutdown_timeout
+        self._runner: web.AppRunner | None = None
+        self._front: Front | None = None
+
+    async def start(self, host: str, port: int, backlog: int = 1024) -> None:
+        """Listen; OSError when the address cannot be had (nothing is left running)."""
+        settings = self.router.settings
+        self._runner = self.router.runner(self.shutdown_timeout)
+        await self._runner.setup()
+        assert self._runner.server is not None
+        await self.router.start()
+        self._front = Front(
+            self.router.handle_fast,
+            self._runner.server,
+            FAST_PATHS,
+            header_timeout=settings.client_header_timeout,
+            body_timeout=settings.client_body_timeout,
+        )
+        try:
+            await self._front.start(host, port, backlog)
+        except BaseException:
+            await self.stop()
             raise
-        return error_response(APIError(exc.status, exc.reason))
-    except Exception:
-        log.exception("request failed", extra={"path": request.path})
-        return error_response(APIError(500, "The router failed to handle the request."))
+
+    @property
+    def port(self) -> int:
+        assert self._front is not None
+        return self._front.port
+
+    async def stop(self) -> None:
+        """Stop listening; requests in flight finish (up to the shutdown timeout, whichever
+        server read them), then the router stops."""
+        waits = []
+        if self._front is not None:
+            waits.append(self._front.shutdown(self.shutdown_timeout))
+        if self._runner is not None:
+            waits.append(self._runner.cleanup())
+        await asyncio.gather(*waits)
+        await self.router.stop()

@@ -198,14 +198,12 @@ async def run_fleet(
     events: RecentEvents | None = None,
     keys_file: Path | None = None,
 ) -> int:
-    from aiohttp import web
-
     from fleetllm.local.autoscaler import run_autoscaler
     from fleetllm.local.launch import CorePool, GPUPool, hold_timeout
     from fleetllm.local.status import StatusView
     from fleetllm.local.supervisor import Supervisor, SupervisorSettings
     from fleetllm.router.config import RouterSettings
-    from fleetllm.router.server import Router
+    from fleetllm.router.server import Router, RouterServer
 
     log = logging.getLogger("fleetllm.local")
     shown_host = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::") else host
@@ -238,14 +236,10 @@ async def run_fleet(
         supervisor.discovery,
         keys_file=keys_file,
     )
-    runner = web.AppRunner(
-        router.app(), handler_cancellation=True, access_log=None, shutdown_timeout=grace_s
-    )
-    await runner.setup()
+    server = RouterServer(router, grace_s)
     try:
-        await web.TCPSite(runner, host, port).start()
+        await server.start(host, port)
     except OSError as exc:
-        await runner.cleanup()
         print(
             f"fleetllm up: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr
         )
@@ -290,7 +284,7 @@ async def run_fleet(
             task.cancel()
         deadline = time.monotonic() + grace_s
         # The router first: no new requests, open ones finish on the replicas still serving.
-        await runner.cleanup()
+        await server.stop()
         await supervisor.shutdown(max(0.0, deadline - time.monotonic()))
         status.cancel()
         view.show(supervisor.views())

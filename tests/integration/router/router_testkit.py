@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.discovery import Discovery, StaticDiscovery
-from fleetllm.router.server import Router
+from fleetllm.router.server import Router, RouterServer
 
 STARTUP_GUARD_S = 120.0  # hang guard only
 
@@ -163,15 +163,12 @@ async def serve_router(
 ) -> AsyncIterator[tuple[Router, str]]:
     """The real router in this process and event loop, on a free port."""
     router = Router(settings or RouterSettings(), discovery or StaticDiscovery(None), **kwargs)
-    runner = router.runner()
-    await runner.setup()
-    port = free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
+    server = RouterServer(router)
+    await server.start("127.0.0.1", 0)
     try:
-        yield router, f"http://127.0.0.1:{port}"
+        yield router, f"http://127.0.0.1:{server.port}"
     finally:
-        await runner.cleanup()
+        await server.stop()
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -260,4 +262,87 @@ def test_hostile_bodies_and_headers_never_answer_5xx(
                 assert response.text.endswith("data: [DONE]\n\n")
 
         run()
+    assert_sound(fuzz_router)
+
+
+# -- hypothesis: raw HTTP/1.1, for the front and for aiohttp behind it ------------------------
+
+header_bytes = header_text.map(str.encode)
+plain_post = st.sampled_from(
+    [b"POST /v1/completions HTTP/1.1", b"POST /v1/chat/completions HTTP/1.1"]
+)
+raw_request_line = st.one_of(
+    plain_post,
+    plain_post,
+    st.sampled_from(
+        [
+            b"POST /v1/completions?a=b HTTP/1.1",
+            b"POST /v1/completions HTTP/1.0",
+            b"GET /v1/models HTTP/1.1",
+            b"GET /health HTTP/1.1",
+            b"POST /v1/models HTTP/1.1",
+        ]
+    ),
+    st.binary(max_size=40),
+)
+raw_header = st.one_of(
+    st.sampled_from(
+        [
+            b"Content-Type: application/json",
+            b"Host: other",
+            b"Transfer-Encoding: chunked",
+            b"Expect: 100-continue",
+            b"Connection: close",
+            b"Connection: upgrade",
+            b"Upgrade: websocket",
+            b"Content-Length: 0",
+            b"Content-Length: 99999999999",
+            b" folded",
+        ]
+    ),
+    st.builds(lambda n, v: n + b": " + v, st.from_regex(rb"\A[A-Za-z-]{1,10}\Z"), header_bytes),
+    st.builds(
+        lambda n, v: n + b": " + v, st.binary(min_size=1, max_size=8), st.binary(max_size=20)
+    ),
+)
+
+
+@st.composite
+def raw_requests(draw: st.DrawFn) -> bytes:
+    body = draw(st.one_of(bodies, st.just(json.dumps({"model": MODEL, "stream": True}).encode())))
+    host = [b"Host: router"] if draw(st.sampled_from([True, True, True, False])) else []
+    lines = [draw(raw_request_line), *host, *draw(st.lists(raw_header, max_size=3))]
+    length = draw(st.sampled_from([len(body), len(body), max(0, len(body) - 3), None]))
+    if length is not None:
+        lines.append(b"Content-Length: %d" % length)
+    ending = draw(st.sampled_from([b"\r\n"] * 5 + [b"\n"]))
+    return ending.join(lines) + ending + ending + body
+
+
+def _read_for(sock: socket.socket, quiet_s: float) -> bytes:
+    """What the router sends until it closes or goes quiet for `quiet_s`."""
+    sock.settimeout(quiet_s)
+    data = b""
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def test_raw_http_never_gets_a_5xx_or_harms_the_router(fuzz_router: BackgroundRouter) -> None:
+    host, port = fuzz_router.url.removeprefix("http://").split(":")
+
+    @given(st.lists(raw_requests(), min_size=1, max_size=3), st.integers(0, 2))
+    @settings(FUZZ_SETTINGS, max_examples=120)
+    def run(requests: list[bytes], split: int) -> None:
+        data = b"".join(requests)
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            cut = len(data) * split // 3
+            sock.sendall(data[:cut])
+            sock.sendall(data[cut:])
+            answer = _read_for(sock, 0.3)
+        statuses = [int(s) for s in re.findall(rb"HTTP/1\.[01] (\d{3}) ", answer)]
+        assert all(status < 500 for status in statuses), answer[:300]
+
+    run()
     assert_sound(fuzz_router)

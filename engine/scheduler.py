@@ -24,7 +24,12 @@ from dataclasses import dataclass, field
 from fleetllm.engine.block_manager import KVCacheManager
 from fleetllm.engine.lora_slots import LoRASlots
 from fleetllm.engine.request import Request, RequestStatus
-from fleetllm.engine.scheduling_policy import DEFAULT_POLICY, POLICIES, shortest_first_key
+from fleetllm.engine.scheduling_policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    SHORTEST_FIRST,
+    shortest_first_key,
+)
 
 
 @dataclass
@@ -122,7 +127,7 @@ class Scheduler:
                 budget -= scheduled.num_new_tokens
                 i += 1
 
-        if not self._waiting_ordered and self.policy == "shortest-first":
+        if not self._waiting_ordered and self.policy == SHORTEST_FIRST:
             self.waiting = deque(sorted(self.waiting, key=self._admission_key))
         self._waiting_ordered = True
         # Requests preempted this step wait for the next one: admitting new work now would

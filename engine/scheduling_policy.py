@@ -12,8 +12,10 @@ torch.
 
 from __future__ import annotations
 
-POLICIES = ("shortest-first", "fcfs")
-DEFAULT_POLICY = "shortest-first"
+SHORTEST_FIRST = "shortest-first"
+FCFS = "fcfs"
+POLICIES = (SHORTEST_FIRST, FCFS)
+DEFAULT_POLICY = SHORTEST_FIRST
 
 
 def shortest_first_key(arrival_step: int, num_tokens: int, max_num_batched_tokens: int) -> float:

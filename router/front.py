@@ -42,7 +42,7 @@ FAST_BODY_BYTES = 64 * 1024
 """A larger body is read by aiohttp, streamed and bounded by the router's limits."""
 PIPELINE_BYTES = 64 * 1024
 
-Handler = Callable[["FastRequest"], Awaitable[web.StreamResponse]]
+Handler = Callable[["FastRequest"], Awaitable["web.StreamResponse | FrontStream"]]
 
 
 class FastRequest:
@@ -153,6 +153,10 @@ class _FrontConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._head: FastHead | None = None
+        self._body_at = 0
+        """Where the body of the request whose head is read (`_head`) starts in the buffer."""
+        self._scanned = 0
+        """How much of the buffer has been looked through for the end of a head."""
         self._timer: asyncio.TimerHandle | None = None
         self._reading_paused = False
         self._drained: asyncio.Future[None] | None = None
@@ -196,29 +200,35 @@ class _FrontConnection(asyncio.Protocol):
 
     def _next(self) -> None:
         """Start the request whose head and body are in the buffer; hand the connection over
-        at the first request the front does not take."""
+        at the first request the front does not take. Bytes are scanned once each, however
+        finely a client cuts its head."""
         buffer = self._buffer
-        end = buffer.find(b"\r\n\r\n", 0, MAX_HEAD + 4)
-        if end < 0:
-            # Too long, or a bare LF (never in a plain head): aiohttp answers it now.
-            if len(buffer) > MAX_HEAD or buffer.count(b"\n") != buffer.count(b"\r\n"):
-                self._hand_over()
-            return
         if self._head is None:
+            seen = self._scanned
+            end = buffer.find(b"\r\n\r\n", max(0, seen - 3), MAX_HEAD + 4)
+            if end < 0:
+                # Too long, or a bare LF (never in a plain head): aiohttp answers it now.
+                bare_lf = buffer.count(b"\n", seen) != buffer.count(b"\r\n", max(0, seen - 1))
+                if len(buffer) > MAX_HEAD or bare_lf:
+                    self._hand_over()
+                else:
+                    self._scanned = len(buffer)
+                return
             head = parse_fast_head(bytes(buffer[:end]), self.front.paths)
             if head is None or head.content_length > FAST_BODY_BYTES:
                 self._hand_over()
                 return
-            self._head = head
+            self._head, self._body_at = head, end + 4
             self._set_timer(self.front.body_timeout, self._body_late)
-        size = end + 4 + self._head.content_length
+        size = self._body_at + self._head.content_length
         if len(buffer) < size:
             if self._reading_paused:
                 self._resume_reading()
             return
         head, self._head = self._head, None
-        body = bytes(buffer[end + 4 : size])
+        body = bytes(buffer[self._body_at : size])
         del buffer[:size]
+        self._scanned = 0
         self._cancel_timer()
         request = FastRequest(head, body, self)
         self.task = asyncio.get_running_loop().create_task(self._serve(request))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 
 import h11
@@ -198,3 +199,28 @@ def _refused(url: str) -> bool:
     host, port = url.removeprefix("http://").split(":")
     with socket.socket() as s:
         return s.connect_ex((host, int(port))) != 0
+
+
+async def test_a_request_sent_a_byte_at_a_time_is_served_and_a_late_bare_lf_refused() -> None:
+    async with serve_upstream(_echo) as up, serve_router() as (router, url):
+        router.apply_fleet(parse_static_fleet({"models": {"m": [up]}}))
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        request = _post("/v1/completions", {"model": "m", "prompt": "drip"}, b"Connection: close")
+        for i in range(len(request)):
+            writer.write(request[i : i + 1])
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        ((status, _, body),) = _answers(await asyncio.wait_for(reader.read(), GUARD), 1)
+        writer.close()
+        assert status == 200 and json.loads(body)["prompt"] == "drip"
+        # A bare LF after a plain start: refused at once, not left to the header timeout.
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"X-Bare: lf\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), GUARD)
+        writer.close()
+        assert re.match(rb"HTTP/1\.[01] 400 ", answer)

@@ -3,7 +3,7 @@
 `Router` wires the parts together: the replica pool (`pool`), which discovery keeps current;
 the proxy (`proxy`); API keys and limits (`access`); the admin endpoints (`admin`); and the
 few endpoints of its own (`/v1/models`, `/health`, `/metrics`, `/version`). Errors raised on
-any path are answered here, in OpenAI's shape, by one middleware. The OpenAPI document of
+any path are answered in OpenAI's shape by `errors.answer_errors`. The OpenAPI document of
 these endpoints is served at /openapi.json.
 """
 
@@ -216,7 +216,7 @@ class Router:
 
 @web.middleware
 async def _errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """The one place where errors become answers."""
+    """Errors on the paths aiohttp reads become answers (in `answer_errors`)."""
     return await answer_errors(handler, request)
 
 

@@ -3,10 +3,11 @@
 Every connection starts in the front. A request for one of the proxied endpoints in the
 plainest HTTP/1.1 (see `http_head.parse_fast_head`) with a body of at most FAST_BODY_BYTES is
 read here and goes to the proxy at once; a stream's head and events are written straight to
-the socket. Any other request (another endpoint, a chunked or larger body, HTTP/1.0, a head
-that is malformed or too long) hands the connection, with every byte of it not yet
-answered, to the aiohttp application, which reads it by the full rules and keeps the
-connection from then on.
+the socket. So is a plain GET of the router's own read-only endpoints (`/v1/models`,
+`/health`, ...), which clients send on the connections they then use for completions. Any
+other request (another endpoint or method, a chunked or larger body, HTTP/1.0, a head that is
+malformed or too long) hands the connection, with every byte of it not yet answered, to the
+aiohttp application, which reads it by the full rules and keeps the connection from then on.
 
 Why: on the way to a stream's first token, aiohttp's server spends about 0.2 ms before a
 handler starts (a task wakes per connection, then one more per request) and 0.14 ms on the
@@ -48,10 +49,10 @@ Handler = Callable[["FastRequest"], Awaitable["web.StreamResponse | FrontStream"
 class FastRequest:
     """A request read by the front: the part of aiohttp's `web.Request` the proxy uses."""
 
-    __slots__ = ("body", "close", "connection", "content_length", "headers", "path")
-    method = "POST"
+    __slots__ = ("body", "close", "connection", "content_length", "headers", "method", "path")
 
     def __init__(self, head: FastHead, body: bytes, connection: _FrontConnection) -> None:
+        self.method = head.method
         self.path = head.path
         self.headers = CIMultiDictProxy(CIMultiDict(head.headers))
         self.content_length = head.content_length
@@ -102,14 +103,17 @@ class Front:
         self,
         handle: Handler,
         fallback: Callable[[], asyncio.Protocol],
-        paths: frozenset[bytes],
+        posts: frozenset[bytes],
+        gets: frozenset[bytes],
         header_timeout: float,
         body_timeout: float,
     ) -> None:
         self.handle = handle
         self.fallback = fallback
         """Makes aiohttp's protocol for a connection handed over."""
-        self.paths = paths
+        self.posts = posts
+        self.gets = gets
+        """The paths whose plain POSTs and GETs the front reads."""
         self.header_timeout = header_timeout
         self.body_timeout = body_timeout
         self.connections: set[_FrontConnection] = set()
@@ -214,7 +218,7 @@ class _FrontConnection(asyncio.Protocol):
                 else:
                     self._scanned = len(buffer)
                 return
-            head = parse_fast_head(bytes(buffer[:end]), self.front.paths)
+            head = parse_fast_head(bytes(buffer[:end]), self.front.posts, self.front.gets)
             if head is None or head.content_length > FAST_BODY_BYTES:
                 self._hand_over()
                 return

@@ -1,12 +1,12 @@
 """HTTP/1.1 heads as the router's front reads and writes them, as pure functions over bytes.
 
-`parse_fast_head` accepts only the plainest form of a proxied request: `POST <endpoint>
-HTTP/1.1`, token header names, printable ASCII values, exactly one Host and one
-Content-Length, and no Transfer-Encoding, Expect or Upgrade. Anything else gives None, and
-the front hands the request, from its first byte, to aiohttp's parser, which answers it by
-the full rules (so every request is read by exactly one parser, and the two can never
-disagree on where one ends). `response_head` refuses a status reason or header that would
-break the head.
+`parse_fast_head` accepts only the plainest requests: `POST <endpoint> HTTP/1.1` with exactly
+one Content-Length, or `GET <path> HTTP/1.1` with none; token header names, printable ASCII
+values, exactly one Host, and no Transfer-Encoding, Expect or Upgrade. Anything else gives
+None, and the front hands the request, from its first byte, to aiohttp's parser, which
+answers it by the full rules (so every request is read by exactly one parser, and the two can
+never disagree on where one ends). `response_head` refuses a status reason or header that
+would break the head.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ _REFUSED = frozenset((b"transfer-encoding", b"expect", b"upgrade"))
 
 @dataclass(frozen=True, slots=True)
 class FastHead:
+    method: str
     path: str
     headers: list[tuple[str, str]]
     content_length: int
@@ -39,15 +40,20 @@ class FastHead:
     """The client asked for the connection to close after the answer."""
 
 
-def parse_fast_head(head: bytes, paths: frozenset[bytes]) -> FastHead | None:
-    """The head (without its blank line) of a plain POST to one of `paths`; None for any
-    other request, well-formed or not."""
+def parse_fast_head(
+    head: bytes, posts: frozenset[bytes], gets: frozenset[bytes]
+) -> FastHead | None:
+    """The head (without its blank line) of a plain POST to one of `posts`, or GET of one of
+    `gets`; None for any other request, well-formed or not."""
     lines = head.split(b"\r\n")
     request_line = lines[0].split(b" ")
-    if len(request_line) != 3 or request_line[0] != b"POST" or request_line[2] != b"HTTP/1.1":
+    if len(request_line) != 3 or request_line[2] != b"HTTP/1.1":
         return None
+    method = request_line[0]
     path, _, query = request_line[1].partition(b"?")
-    if path not in paths or not _QUERY.fullmatch(query):
+    if path not in (posts if method == b"POST" else gets if method == b"GET" else ()):
+        return None
+    if not _QUERY.fullmatch(query):
         return None
     if len(lines) - 1 > MAX_HEADERS:
         return None
@@ -78,9 +84,11 @@ def parse_fast_head(head: bytes, paths: frozenset[bytes]) -> FastHead | None:
                 return None
             close = close or b"close" in tokens
         headers.append((name.decode("ascii"), value.decode("ascii")))
-    if content_length is None or hosts != 1:
+    if hosts != 1 or (content_length is None) != (method == b"GET"):
         return None
-    return FastHead(path.decode("ascii"), headers, content_length, close)
+    return FastHead(
+        method.decode("ascii"), path.decode("ascii"), headers, content_length or 0, close
+    )
 
 
 def response_head(status: int, reason: str, headers: Iterable[tuple[str, str]]) -> bytes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,8 @@ from fleetllm.version import __version__
 
 log = logging.getLogger("fleetllm.router")
 
-FAST_PATHS = frozenset(endpoint.path.encode() for endpoint in ENDPOINTS)
+FAST_POSTS = frozenset(endpoint.path.encode() for endpoint in ENDPOINTS)
+Request = web.Request | FastRequest
 
 
 class Router:
@@ -122,19 +124,29 @@ class Router:
             client_max_size=self.settings.max_body_bytes, middlewares=[_errors_middleware]
         )
         self.proxy.add_routes(app)
-        app.router.add_get("/v1/models", self.handle_models)
-        app.router.add_get("/health", self.handle_health)
-        app.router.add_get("/metrics", self.handle_metrics)
-        app.router.add_get("/version", self.handle_version)
-        app.router.add_get("/openapi.json", self.handle_openapi)
+        for path, handler in self.reads.items():
+            app.router.add_get(path, handler)
         if self.admin is not None:
             self.admin.add_routes(app)
         app.router.add_route("*", "/{tail:.*}", self.handle_unknown)
 
         return app
 
+    @property
+    def reads(self) -> dict[str, Callable[[Request], Awaitable[web.Response]]]:
+        """The router's own GET endpoints; they read nothing of a request but its headers."""
+        return {
+            "/v1/models": self.handle_models,
+            "/health": self.handle_health,
+            "/metrics": self.handle_metrics,
+            "/version": self.handle_version,
+            "/openapi.json": self.handle_openapi,
+        }
+
     async def handle_fast(self, request: FastRequest) -> web.StreamResponse | FrontStream:
-        """A proxied request the front read (see `RouterServer`)."""
+        """A request the front read (see `RouterServer`): a proxied POST, or a GET of `reads`."""
+        if request.method == "GET":
+            return await answer_errors(self.reads[request.path], request)
         return await answer_errors(self.proxy.handle, request)
 
     def runner(self, shutdown_timeout: float = 30.0) -> web.AppRunner:
@@ -161,14 +173,14 @@ class Router:
                 raise RouterError(405, f"Method {request.method} not allowed.")
         raise RouterError(404, f"No route for {request.method} {request.path}.")
 
-    async def handle_health(self, _: web.Request) -> web.Response:
+    async def handle_health(self, _: Request) -> web.Response:
         if self.stopping or not self.pool.synced:
             return web.json_response(
                 {"status": "starting" if not self.stopping else "stopping"}, status=503
             )
         return web.json_response({"status": "ok"})
 
-    async def handle_metrics(self, request: web.Request) -> web.Response:
+    async def handle_metrics(self, request: Request) -> web.Response:
         if not self.public_metrics:
             # The series name every model, namespace and replica address: only a key that
             # reaches every model may read them.
@@ -177,15 +189,15 @@ class Router:
                 raise RouterError(403, f"API key {key.name} may not read the router's metrics.")
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    async def handle_version(self, request: web.Request) -> web.Response:
+    async def handle_version(self, request: Request) -> web.Response:
         self.access.authenticate(request.headers.get("Authorization"))
         return web.json_response({"version": __version__})
 
-    async def handle_openapi(self, request: web.Request) -> web.Response:
+    async def handle_openapi(self, request: Request) -> web.Response:
         self.access.authenticate(request.headers.get("Authorization"))
         return web.json_response(self._openapi)
 
-    async def handle_models(self, request: web.Request) -> web.Response:
+    async def handle_models(self, request: Request) -> web.Response:
         key = self.access.authenticate(request.headers.get("Authorization"))
         scope = key.scope if key is not None else EVERYTHING
         models = visible((m.route for m in self.pool.models.values()), scope)
@@ -240,7 +252,8 @@ class RouterServer:
         self._front = Front(
             self.router.handle_fast,
             self._runner.server,
-            FAST_PATHS,
+            FAST_POSTS,
+            frozenset(path.encode() for path in self.router.reads),
             header_timeout=settings.client_header_timeout,
             body_timeout=settings.client_body_timeout,
         )

@@ -97,8 +97,8 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection() -> N
                 _post("/v1/completions", {"model": "m", "prompt": "one"}),
                 _post("/v1/completions", {"model": "m", "prompt": "two", "stream": True}),
                 _post("/v1/completions", {"model": "nope", "prompt": "three"}),
-                # aiohttp's from here: another endpoint, then a chunked body
                 b"GET /v1/models HTTP/1.1\r\nHost: router\r\n\r\n",
+                # aiohttp's from here: a chunked body
                 b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nTransfer-Encoding: chunked"
                 b'\r\n\r\n5\r\n{"mod\r\n1b\r\nel": "m", "prompt": "four"}\r\n0\r\n\r\n',
                 _post("/v1/completions", {"model": "m", "prompt": "five"}, b"Connection: close"),
@@ -107,7 +107,7 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection() -> N
         answers = _answers(await _exchange(url, data), 6)
     assert [status for status, _, _ in answers] == [200, 200, 404, 200, 200, 200]
     # Which server read each: aiohttp names itself in `Server`, the front does not.
-    assert [("server" in headers) for _, headers, _ in answers] == [False] * 3 + [True] * 3
+    assert [("server" in headers) for _, headers, _ in answers] == [False] * 4 + [True] * 2
     assert json.loads(answers[0][2])["prompt"] == "one"
     stream = answers[1]
     assert stream[1]["transfer-encoding"] == "chunked"
@@ -224,3 +224,31 @@ async def test_a_request_sent_a_byte_at_a_time_is_served_and_a_late_bare_lf_refu
         answer = await asyncio.wait_for(reader.read(), GUARD)
         writer.close()
         assert re.match(rb"HTTP/1\.[01] 400 ", answer)
+
+
+async def test_the_routers_own_gets_are_read_by_the_front_and_other_methods_by_aiohttp() -> None:
+    async with serve_upstream(_echo) as up, serve_router() as (router, url):
+        router.apply_fleet(parse_static_fleet({"models": {"m": [up]}}))
+        plain = b"GET /health?probe=1 HTTP/1.1\r\nHost: router\r\n\r\n"
+        metrics = b"GET /metrics HTTP/1.1\r\nHost: router\r\n\r\n"
+        answers = _answers(
+            await _exchange(
+                url,
+                plain
+                + metrics
+                + _post("/v1/completions", {"model": "m", "prompt": "x"}, b"Connection: close"),
+            ),
+            3,
+        )
+        assert [a[0] for a in answers] == [200, 200, 200]
+        assert json.loads(answers[0][2]) == {"status": "ok"}
+        assert b"fleetllm:router_requests_total" in answers[1][2]
+        assert answers[1][1]["content-type"].startswith("text/plain")
+        assert not any("server" in headers for _, headers, _ in answers)
+        # A GET with a body, and a HEAD: aiohttp's, answered by its rules.
+        odd = b"GET /v1/models HTTP/1.1\r\nHost: router\r\nContent-Length: 2\r\n\r\n{}"
+        head = b"HEAD /health HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n"
+        data = await _exchange(url, odd + head)
+        models, rest = data.split(b"\r\n\r\n", 1)
+        assert models.startswith(b"HTTP/1.1 200 ") and b"Server: " in models
+        assert b"HTTP/1.1 200 " in rest

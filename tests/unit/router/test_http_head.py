@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from fleetllm.router.http_head import MAX_HEADERS, parse_fast_head, response_head
 
-PATHS = frozenset({b"/v1/completions", b"/v1/chat/completions"})
+POSTS = frozenset({b"/v1/completions", b"/v1/chat/completions"})
+GETS = frozenset({b"/v1/models", b"/health"})
 PLAIN = [
     b"POST /v1/completions HTTP/1.1",
     b"Host: router:8000",
@@ -33,13 +34,20 @@ def _h11(head: bytes) -> h11.Request:
 
 
 def test_a_plain_request_is_taken_with_its_headers() -> None:
-    head = parse_fast_head(_head(PLAIN), PATHS)
+    head = parse_fast_head(_head(PLAIN), POSTS, GETS)
     assert head is not None
-    assert head.path == "/v1/completions" and head.content_length == 17 and not head.close
+    assert head.method == "POST" and head.path == "/v1/completions"
+    assert head.content_length == 17 and not head.close
     assert ("Authorization", "Bearer sk-1") in head.headers and len(head.headers) == 4
-    query = parse_fast_head(_head([b"POST /v1/completions?a=1 HTTP/1.1", *PLAIN[1:]]), PATHS)
+    query = parse_fast_head(_head([b"POST /v1/completions?a=1 HTTP/1.1", *PLAIN[1:]]), POSTS, GETS)
     assert query is not None and query.path == "/v1/completions"
-    closing = parse_fast_head(_head([*PLAIN, b"Connection: keep-alive, Close"]), PATHS)
+    get = parse_fast_head(b"GET /v1/models?x=1 HTTP/1.1\r\nHost: r\r\nAccept: */*", POSTS, GETS)
+    assert get is not None and (get.method, get.path, get.content_length) == (
+        "GET",
+        "/v1/models",
+        0,
+    )
+    closing = parse_fast_head(_head([*PLAIN, b"Connection: keep-alive, Close"]), POSTS, GETS)
     assert closing is not None and closing.close
 
 
@@ -49,6 +57,10 @@ def test_a_plain_request_is_taken_with_its_headers() -> None:
         [b"GET /v1/completions HTTP/1.1", *PLAIN[1:]],
         [b"POST /v1/completions HTTP/1.0", *PLAIN[1:]],
         [b"POST /v1/models HTTP/1.1", *PLAIN[1:]],
+        [b"GET /v1/models HTTP/1.1", *PLAIN[1:]],  # a GET with a body
+        [b"GET /v1/completions HTTP/1.1", PLAIN[1]],
+        [b"HEAD /v1/models HTTP/1.1", PLAIN[1]],
+        [b"DELETE /health HTTP/1.1", PLAIN[1]],
         [b"POST /v1/%63ompletions HTTP/1.1", *PLAIN[1:]],
         [b"POST /v1/completions?a b HTTP/1.1", *PLAIN[1:]],
         [b"POST  /v1/completions HTTP/1.1", *PLAIN[1:]],
@@ -76,7 +88,7 @@ def test_a_plain_request_is_taken_with_its_headers() -> None:
     ],
 )
 def test_anything_but_a_plain_request_is_left_to_aiohttp(lines: list[bytes]) -> None:
-    assert parse_fast_head(_head(lines), PATHS) is None
+    assert parse_fast_head(_head(lines), POSTS, GETS) is None
 
 
 _token = st.from_regex(rb"\A[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,12}\Z")
@@ -103,14 +115,26 @@ _line = st.one_of(
 _request_line = st.one_of(
     st.just(b"POST /v1/completions HTTP/1.1"),
     st.just(b"POST /v1/chat/completions?x=%20 HTTP/1.1"),
-    st.sampled_from([b"POST /v1/completions HTTP/1.0", b"PUT /v1/completions HTTP/1.1"]),
+    st.sampled_from(
+        [
+            b"POST /v1/completions HTTP/1.0",
+            b"PUT /v1/completions HTTP/1.1",
+            b"GET /v1/models HTTP/1.1",
+            b"GET /health?probe HTTP/1.1",
+        ]
+    ),
     st.binary(max_size=40),
 )
 _lines = st.builds(
-    lambda extra, at, length: [*extra[:at], b"Host: h", *extra[at:], b"Content-Length: " + length],
+    lambda extra, at, length: [
+        *extra[:at],
+        b"Host: h",
+        *extra[at:],
+        *([b"Content-Length: " + length] if length is not None else []),
+    ],
     st.lists(_line, max_size=6),
     st.integers(0, 6),
-    st.sampled_from([b"0", b"17", b"007", b" 5 ", b"-1", b"1e3"]),
+    st.sampled_from([b"0", b"17", b"007", b" 5 ", b"-1", b"1e3", None]),
 )
 
 
@@ -120,16 +144,16 @@ def test_what_the_front_takes_a_strict_parser_reads_alike(first: bytes, lines: l
     raw = _head([first, *lines])
     if b"\r\n\r\n" in raw:
         return  # the front only ever sees a head cut at its first blank line
-    head = parse_fast_head(raw, PATHS)
+    head = parse_fast_head(raw, POSTS, GETS)
     if head is None:
         return
     request = _h11(raw)
-    assert request.method == b"POST" and request.http_version == b"1.1"
+    assert request.method == head.method.encode() and request.http_version == b"1.1"
     assert request.target.split(b"?")[0].decode() == head.path
     ours = [(n.lower().encode(), v.encode()) for n, v in head.headers]
     assert ours == [(n, v) for n, v in request.headers]
     lengths = [v for n, v in request.headers if n == b"content-length"]
-    assert len(lengths) == 1 and int(lengths[0]) == head.content_length
+    assert [int(n) for n in lengths] == ([head.content_length] if head.method == "POST" else [])
     assert not any(n in (b"transfer-encoding", b"expect") for n, _ in request.headers)
 
 

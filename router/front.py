@@ -91,7 +91,8 @@ class FrontStream:
             self.eof_sent = True
 
     async def _send(self, frame: bytes) -> None:
-        await self.prepare()
+        if not self.prepared:
+            await self.prepare()
         head, self._head = self._head, b""
         await self._connection.send(head + frame if head else frame)
 

@@ -73,6 +73,14 @@ class Router:
         self.proxy = Proxy(settings, self.pool, self.access, self.metrics, log_requests)
         self.admin = AdminApi(admin_key, self.pool, settings) if admin_key else None
         self._openapi = openapi_schema(admin=self.admin is not None)
+        self.reads: dict[str, Callable[[Request], Awaitable[web.Response]]] = {
+            "/v1/models": self.handle_models,
+            "/health": self.handle_health,
+            "/metrics": self.handle_metrics,
+            "/version": self.handle_version,
+            "/openapi.json": self.handle_openapi,
+        }
+        """The router's own GET endpoints; they read nothing of a request but its headers."""
         self.stopping = False
         self.created = int(time.time())
         self._session: aiohttp.ClientSession | None = None
@@ -131,17 +139,6 @@ class Router:
         app.router.add_route("*", "/{tail:.*}", self.handle_unknown)
 
         return app
-
-    @property
-    def reads(self) -> dict[str, Callable[[Request], Awaitable[web.Response]]]:
-        """The router's own GET endpoints; they read nothing of a request but its headers."""
-        return {
-            "/v1/models": self.handle_models,
-            "/health": self.handle_health,
-            "/metrics": self.handle_metrics,
-            "/version": self.handle_version,
-            "/openapi.json": self.handle_openapi,
-        }
 
     async def handle_fast(self, request: FastRequest) -> web.StreamResponse | FrontStream:
         """A request the front read (see `RouterServer`): a proxied POST, or a GET of `reads`."""

@@ -159,13 +159,14 @@ def fleetllm_engine(args: argparse.Namespace) -> dict[str, Any]:
 
     # The engine's CPU kernels are pybind functions, which the profiler does not see: named
     # here (vLLM's kernels are torch operators, which it sees).
-    for owner, method in [
-        (cpu_attention.CpuPagedAttention, "decode"),
-        (layer_ops.CpuLayerOps, "rms_norm"),
-        (layer_ops.CpuLayerOps, "rotary"),
-        (layer_ops.CpuLayerOps, "silu_and_mul"),
+    for owner, method, name in [
+        (cpu_attention.CpuPagedAttention, "decode", "decode"),
+        (cpu_attention.CpuPagedAttention, "prefill", "paged_prefill"),
+        (layer_ops.CpuLayerOps, "rms_norm", "rms_norm"),
+        (layer_ops.CpuLayerOps, "rotary", "rotary"),
+        (layer_ops.CpuLayerOps, "silu_and_mul", "silu_and_mul"),
     ]:
-        setattr(owner, method, named(getattr(owner, method), f"fleetllm::{method}"))
+        setattr(owner, method, named(getattr(owner, method), f"fleetllm::{name}"))
     kernel = cpu_kernels.load_kernel()  # the module the engine's layers take it from
     if kernel is not None:
         kernel.few_rows_linear = named(kernel.few_rows_linear, "fleetllm::few_rows_linear")

@@ -1,11 +1,15 @@
-"""Decode attention on the CPU with a C++ kernel (`csrc/cpu_paged_attention.cpp`).
+"""Attention on the CPU with C++ kernels over the paged KV cache: decode
+(`csrc/cpu_paged_attention.cpp`) and prefill (`csrc/cpu_paged_prefill.cpp`).
 
 The torch reference gathers every decode's blocks into a dense tensor padded to the longest
 context and runs SDPA over all of it; on a CPU that is most of a decode step's attention time.
-The kernel reads each sequence's own tokens straight from its blocks, once, in float32
-arithmetic, on torch's threads (figures in docs/engine.md, "On a CPU"). It is built with the
-engine's other CPU kernels (`cpu_kernels.py`); without them decode attention stays on the torch
-reference.
+The decode kernel reads each sequence's own tokens straight from its blocks, once, in float32
+arithmetic, on torch's threads (figures in docs/engine.md, "On a CPU"). For prefill the
+reference gathers each chunk's cached context and runs SDPA once per chunk, which on a CPU
+reaches about half of what the prefill kernel does (1.4-2.3x slower on SmolLM2's chunks,
+docs/benchmarks.md); the kernel reads every chunk's context from its blocks, all chunks of a
+step in one call. Both are built with the engine's other CPU kernels (`cpu_kernels.py`);
+without them attention stays on the torch reference.
 """
 
 from __future__ import annotations
@@ -26,8 +30,7 @@ def supported(dtype: torch.dtype, device: torch.device, kv_cache_dtype: str) -> 
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """The reference with decodes run by the CPU kernel (prefill stays on SDPA, which is
-    efficient for many query rows)."""
+    """The reference with both phases run by the CPU kernels."""
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernel: ModuleType
@@ -54,4 +57,31 @@ class CpuPagedAttention(TorchPagedAttention):
             md.block_size,
             self.scale,
             out[:n],
+        )
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
+        md: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        # The chunks' own K/V are in the cache already (written before attention): the kernel
+        # reads every key from there, cached context and new tokens alike.
+        pb = md.prefill_batch
+        assert pb is not None
+        self.kernel.paged_prefill(
+            q.contiguous(),  # a view of the step's qkv rows
+            k_cache,
+            v_cache,
+            pb.tables,
+            pb.q_starts,
+            pb.q_lens,
+            pb.context_lens,
+            md.block_size,
+            self.scale,
+            out,
         )

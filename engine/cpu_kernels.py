@@ -1,6 +1,6 @@
 """The engine's C++ kernels for CPUs (`csrc/`): built on first use, loaded once.
 
-One extension module holds them all: decode attention over the paged KV cache
+One extension module holds them all: decode and prefill attention over the paged KV cache
 (`cpu_attention.py`), the fused elementwise steps of a layer (`layer_ops.py`) and float32
 linear layers on a few rows (`cpu_linear.py`). It is
 compiled on first use with the machine's C++ compiler, through torch's extension builder, and
@@ -37,11 +37,12 @@ SOURCES = tuple(
     for name in (
         "cpu_bindings.cpp",
         "cpu_paged_attention.cpp",
+        "cpu_paged_prefill.cpp",
         "cpu_layer_ops.cpp",
         "cpu_few_rows_linear.cpp",
     )
 )
-HEADERS = (CSRC / "cpu_kernels.h",)
+HEADERS = (CSRC / "cpu_kernels.h", CSRC / "cpu_attention_common.h")
 # x86-64-v3 (AVX2, FMA, F16C, ...) is what every x86 CPU of the last decade has, so one build
 # serves them all, an image's included; older CPUs get a baseline build.
 X86_64_V3_FLAGS = frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})

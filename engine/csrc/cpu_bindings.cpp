@@ -9,6 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // step's kernels run (they touch no Python object).
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode", &paged_decode, "Decode attention over a paged KV cache (CPU)", no_gil);
+  m.def("paged_prefill", &paged_prefill,
+        "Causal prefill attention of chunks over a paged KV cache (CPU)", no_gil);
   m.def("add_rms_norm", &add_rms_norm,
         "In place: residual += x, then x = RMSNorm(residual) (or x = RMSNorm(x) without one)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), no_gil);

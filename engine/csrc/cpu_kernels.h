@@ -1,6 +1,7 @@
-// The engine's CPU kernels, one Python extension (cpu_kernels.py builds it): decode attention
-// over the paged KV cache (cpu_paged_attention.cpp), the fused elementwise steps of a layer
-// (cpu_layer_ops.cpp) and float32 linear layers on a few rows (cpu_few_rows_linear.cpp).
+// The engine's CPU kernels, one Python extension (cpu_kernels.py builds it): decode and prefill
+// attention over the paged KV cache (cpu_paged_attention.cpp, cpu_paged_prefill.cpp), the
+// fused elementwise steps of a layer (cpu_layer_ops.cpp) and float32 linear layers on a few
+// rows (cpu_few_rows_linear.cpp).
 // Every function checks its inputs before reading any of them.
 #pragma once
 
@@ -9,6 +10,11 @@
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& tables, const at::Tensor& lens, int64_t block_size,
                   double scale, at::Tensor& out);
+
+void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
+                   const at::Tensor& context_lens, int64_t block_size, double scale,
+                   at::Tensor& out);
 
 void add_rms_norm(at::Tensor& x, const c10::optional<at::Tensor>& residual,
                   const at::Tensor& weight, double eps);

@@ -11,6 +11,7 @@
 // caches larger than the L3). Scores, softmax and the weighted sum are float32 whatever the
 // cache dtype. Sequences run in parallel on torch's intra-op threads.
 
+#include "cpu_attention_common.h"
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -18,34 +19,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
-
-inline void to_float(const float* src, float* dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
-
-inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
-  // bfloat16 is the upper half of a float32: a shift, which the compiler vectorizes.
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
-    float value;
-    std::memcpy(&value, &word, sizeof(value));
-    dst[i] = value;
-  }
-}
-
-inline void to_float(const at::Half* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-template <typename T>
-inline void from_float(const float* src, T* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
 
 inline void prefetch(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
@@ -159,48 +135,25 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& tables, const at::Tensor& lens, int64_t block_size,
                   double scale, at::Tensor& out) {
-  TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on the CPU");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [n, heads, dim] tensor");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous(),
-              "the K and V caches must be contiguous [num_slots, kv_heads, dim] tensors");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(),
-              "q, the caches and out must share one dtype");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "out must be a contiguous tensor shaped like q");
-  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == dim, "the caches' head size differs from q's");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
-  TORCH_CHECK(block_size > 0 && k_cache.size(0) % block_size == 0,
-              "the caches must hold whole blocks of block_size slots");
+  check_attention_tensors("paged_decode", q, k_cache, v_cache, block_size, out);
+  const int64_t n = q.size(0);
   TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.size(0) == n &&
                   tables.is_contiguous(),
               "tables must be a contiguous [n, max_blocks] int64 tensor");
-  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.dim() == 1 && lens.size(0) == n &&
-                  lens.is_contiguous(),
-              "lens must be a contiguous [n] int64 tensor");
+  check_index_vector(lens, n, "lens");
   const int64_t cache_blocks = k_cache.size(0) / block_size;
   const int64_t max_blocks = tables.size(1);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t seq = 0; seq < n; ++seq) {
-    TORCH_CHECK(lp[seq] > 0 && lp[seq] <= max_blocks * block_size,
-                "context length ", lp[seq], " of sequence ", seq, " is outside its block table");
-    const int64_t used = (lp[seq] + block_size - 1) / block_size;
-    for (int64_t b = 0; b < used; ++b) {
-      const int64_t block = tp[seq * max_blocks + b];
-      TORCH_CHECK(block >= 0 && block < cache_blocks, "block id ", block, " of sequence ", seq,
-                  " is outside the cache");
-    }
+    check_context(tp + seq * max_blocks, max_blocks, lp[seq], seq, block_size, cache_blocks);
   }
   switch (q.scalar_type()) {
-    case at::kFloat:
-      return dispatch_dim<float>(q, k_cache, v_cache, tables, lens, block_size, scale, out);
     case at::kBFloat16:
       return dispatch_dim<at::BFloat16>(q, k_cache, v_cache, tables, lens, block_size, scale, out);
     case at::kHalf:
       return dispatch_dim<at::Half>(q, k_cache, v_cache, tables, lens, block_size, scale, out);
-    default:
-      TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16, not ", q.scalar_type());
+    default:  // float32 (the dtype was checked)
+      return dispatch_dim<float>(q, k_cache, v_cache, tables, lens, block_size, scale, out);
   }
 }

@@ -82,3 +82,18 @@ def test_step_profile_breaks_fleetllm_steps_down(chat_model: Path, tmp_path: Pat
         assert sum(decode["by_kind_ms"].values()) == pytest.approx(decode["profiled_step_ms"])
         # The engine's own kernels are named, so their time is not lost among "outside".
         assert "fleetllm::decode" in dict(decode["top_ops_ms"])
+        assert "fleetllm::paged_prefill" in dict(prefill["top_ops_ms"])
+
+
+def test_prefill_attention_times_the_kernel_against_the_reference() -> None:
+    proc = run("prefill_attention.py", "--repeats", "1", "--threads", "1", "--dtype", "float32")
+    lines = [line for line in proc.stdout.splitlines() if "reference / kernel" in line]
+    assert len(lines) == 6, proc.stdout
+    for line in lines:
+        ours = figure(line, r"kernel +([\d.]+) ms")
+        theirs = figure(line, r"reference +([\d.]+) ms")
+        shown = figure(line, r"reference / kernel ([\d.]+)x")
+        assert ours > 0 and theirs > 0
+        # Times are printed to 0.001 ms and the ratio to 0.01.
+        rounding = 0.005 + theirs / ours * (0.0005 / ours + 0.0005 / theirs) + 1e-9
+        assert abs(shown - theirs / ours) <= rounding, line

@@ -66,8 +66,8 @@ def reference(q, k_cache, v_cache, md, heads, kv_heads, head_dim) -> torch.Tenso
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (8, 2, 128, 16), (6, 6, 24, 4), (4, 1, 80, 8)],
-    ids=["smollm2", "gqa4-128", "mha-odd-dim", "mqa-80"],
+    [(9, 3, 64, 16), (8, 2, 128, 16), (6, 6, 24, 4), (4, 1, 80, 8), (4, 2, 20, 16)],
+    ids=["smollm2", "gqa4-128", "mha-odd-dim", "mqa-80", "dim-not-a-multiple-of-8"],
 )
 def test_kernel_matches_the_reference(kernel, heads, kv_heads, head_dim, block_size, dtype):
     lens = [1, block_size, block_size + 1, 3 * block_size - 1, 70]
@@ -89,10 +89,11 @@ def test_kernel_matches_the_reference(kernel, heads, kv_heads, head_dim, block_s
     group=st.sampled_from([1, 2, 3, 4]),
     kv_heads=st.integers(1, 3),
     block_size=st.sampled_from([1, 2, 16, 32]),
+    head_dim=st.sampled_from([4, 16, 20, 64]),
     seed=st.integers(0, 2**16),
 )
-def test_any_batch_matches_the_reference(kernel, lens, group, kv_heads, block_size, seed):
-    heads, head_dim = group * kv_heads, 16
+def test_any_batch_matches_the_reference(kernel, lens, group, kv_heads, block_size, head_dim, seed):
+    heads = group * kv_heads
     q, k_cache, v_cache, md = decode_batch(
         heads, kv_heads, head_dim, block_size, lens, torch.float32, seed
     )

@@ -9,10 +9,7 @@
 // block is prefetched (a row at a time, not the whole block at once, which would overflow
 // the core's outstanding-miss slots and have most prefetches dropped; 2.7x faster on float32
 // caches larger than the L3). Scores, softmax and the weighted sum are float32 whatever the
-// cache dtype. Sequences run in parallel on torch's intra-op threads. The work per key is
-// compute, not memory: the same batch over a cache that fits the L2 cache took as long as
-// over one ten times larger, so the loops are laid out for the vector units (see decode()):
-// 1.34 -> 0.93 ms a layer for 64 bfloat16 sequences of 300 tokens, SmolLM2's heads.
+// cache dtype. Sequences run in parallel on torch's intra-op threads.
 
 #include "cpu_attention_common.h"
 #include "cpu_kernels.h"
@@ -22,12 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
-
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -36,49 +28,14 @@ inline void prefetch(const void* start, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
 }
 
-constexpr int64_t kLanes = 8;  // one AVX2 register of float32
-
-// kLanes floats as one value of the compiler's vector extension (a register on x86-64-v3).
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline Lanes load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, const Lanes& v) { std::memcpy(p, &v, sizeof v); }
-
-// {sum of v[0], ..., sum of v[7]}: eight horizontal sums at the cost of about two.
-inline Lanes sum_each(const Lanes* v) {
-#if defined(__AVX__)
-  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_permute2f128_ps(u0, u1, 0x20) + _mm256_permute2f128_ps(u0, u1, 0x31);
-#else
-  Lanes out;
-  for (int64_t i = 0; i < kLanes; ++i) {
-    float sum = 0.f;
-    for (int64_t l = 0; l < kLanes; ++l) sum += v[i][l];
-    out[i] = sum;
-  }
-  return out;
-#endif
-}
-
 // DIM > 0 fixes the head size at compile time (the common sizes, fully unrolled); 0 reads it
-// at run time. A block is converted to float32 once (in `rows`, a few KB that stay in the L1
-// cache) and each query head then reads it: its scores eight keys at a time, each key's dot
-// product left as a vector until eight are summed together; its weighted sum of the values in
-// registers across the block.
+// at run time.
 template <typename T, int DIM>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& tables, const at::Tensor& lens, int64_t block_size, double scale,
             at::Tensor& out) {
   const int64_t n = q.size(0), heads = q.size(1);
   const int64_t dim = DIM > 0 ? DIM : q.size(2);
-  const int64_t whole = dim / kLanes * kLanes;  // the rest (dim % 8) is summed one by one
   const int64_t kv_heads = k_cache.size(1);
   const int64_t group = heads / kv_heads;
   const int64_t max_blocks = tables.size(1);
@@ -95,8 +52,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(heads * dim), rows(block_elems), acc(heads * dim), probs;
-    Lanes parts[kLanes];
+    std::vector<float> query(heads * dim), row(token_elems), acc(heads * dim), probs;
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t len = lp[seq];
       const int64_t* table = tp + seq * max_blocks;
@@ -104,46 +60,29 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       to_float(qp + seq * heads * dim, query.data(), heads * dim);
       for (int64_t i = 0; i < heads * dim; ++i) query[i] *= fscale;
       probs.resize(heads * len);
-      // Calls visit(b, tokens) with `rows` holding block b's first `tokens` rows of `cache`
-      // (every KV head, as floats), for each block in order, prefetching the next block's
-      // rows while it converts.
-      auto for_each_block = [&](const T* cache, auto&& visit) {
+      // Calls visit(t) with `row` holding token t's row of `cache` (every KV head, as floats),
+      // for each cached token in order, prefetching the next block's rows while it reads.
+      auto for_each_row = [&](const T* cache, auto&& visit) {
         for (int64_t b = 0; b < num_blocks; ++b) {
           const T* next = b + 1 < num_blocks ? cache + table[b + 1] * block_elems : nullptr;
           const T* block = cache + table[b] * block_elems;
           const int64_t tokens = std::min(block_size, len - b * block_size);
           for (int64_t j = 0; j < tokens; ++j) {
             if (next != nullptr) prefetch(next + j * token_elems, token_bytes);
-            to_float(block + j * token_elems, rows.data() + j * token_elems, token_elems);
+            to_float(block + j * token_elems, row.data(), token_elems);
+            visit(b * block_size + j);
           }
-          visit(b, tokens);
         }
       };
       if (num_blocks > 0) prefetch(kp + table[0] * block_elems, block_bytes);
 
-      for_each_block(kp, [&](int64_t b, int64_t tokens) {
+      for_each_row(kp, [&](int64_t t) {
         for (int64_t h = 0; h < heads; ++h) {
           const float* qh = query.data() + h * dim;
-          const float* keys = rows.data() + (h / group) * dim;
-          float* scores = probs.data() + h * len + b * block_size;
-          for (int64_t j0 = 0; j0 < tokens; j0 += kLanes) {
-            const int64_t count = std::min(kLanes, tokens - j0);
-            for (int64_t j = 0; j < kLanes; ++j) {
-              Lanes dot = {};
-              if (j < count) {
-                const float* kr = keys + (j0 + j) * token_elems;
-                for (int64_t i = 0; i < whole; i += kLanes) dot += load(qh + i) * load(kr + i);
-              }
-              parts[j] = dot;
-            }
-            float sums[kLanes];
-            store(sums, sum_each(parts));
-            for (int64_t j = 0; j < count; ++j) {
-              const float* kr = keys + (j0 + j) * token_elems;
-              for (int64_t i = whole; i < dim; ++i) sums[j] += qh[i] * kr[i];
-              scores[j0 + j] = sums[j];
-            }
-          }
+          const float* kh = row.data() + (h / group) * dim;
+          float dot = 0.f;
+          for (int64_t i = 0; i < dim; ++i) dot += qh[i] * kh[i];
+          probs[h * len + t] = dot;
         }
       });
       if (num_blocks > 0) prefetch(vp + table[0] * block_elems, block_bytes);
@@ -160,25 +99,12 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
 
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_block(vp, [&](int64_t b, int64_t tokens) {
+      for_each_row(vp, [&](int64_t t) {
         for (int64_t h = 0; h < heads; ++h) {
-          const float* weights = probs.data() + h * len + b * block_size;
-          const float* values = rows.data() + (h / group) * dim;
+          const float weight = probs[h * len + t];
+          const float* vh = row.data() + (h / group) * dim;
           float* ah = acc.data() + h * dim;
-          if constexpr (DIM > 0 && DIM % kLanes == 0 && DIM <= 128) {
-            Lanes sum[DIM / kLanes];
-            for (int64_t c = 0; c < DIM / kLanes; ++c) sum[c] = load(ah + c * kLanes);
-            for (int64_t j = 0; j < tokens; ++j) {
-              const float* vr = values + j * token_elems;
-              for (int64_t c = 0; c < DIM / kLanes; ++c) sum[c] += weights[j] * load(vr + c * kLanes);
-            }
-            for (int64_t c = 0; c < DIM / kLanes; ++c) store(ah + c * kLanes, sum[c]);
-          } else {
-            for (int64_t j = 0; j < tokens; ++j) {
-              const float* vr = values + j * token_elems;
-              for (int64_t i = 0; i < dim; ++i) ah[i] += weights[j] * vr[i];
-            }
-          }
+          for (int64_t i = 0; i < dim; ++i) ah[i] += weight * vh[i];
         }
       });
       from_float(acc.data(), op + seq * heads * dim, heads * dim);

@@ -6,6 +6,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -31,6 +33,18 @@ inline void to_float(const at::Half* src, float* dst, int64_t n) {
 template <typename T>
 inline void from_float(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// Softmax of scores[0, n) in place: each becomes exp(score - max) divided by their sum.
+inline void softmax(float* scores, int64_t n) {
+  const float top = *std::max_element(scores, scores + n);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    scores[t] = std::exp(scores[t] - top);
+    sum += scores[t];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < n; ++t) scores[t] *= inv;
 }
 
 // q, out: [rows, heads, dim]; k_cache, v_cache: [num_slots, kv_heads, dim], num_slots a

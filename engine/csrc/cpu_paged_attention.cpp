@@ -86,17 +86,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         }
       });
       if (num_blocks > 0) prefetch(vp + table[0] * block_elems, block_bytes);
-      for (int64_t h = 0; h < heads; ++h) {
-        float* p = probs.data() + h * len;
-        const float top = *std::max_element(p, p + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          p[t] = std::exp(p[t] - top);
-          sum += p[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) p[t] *= inv;
-      }
+      for (int64_t h = 0; h < heads; ++h) softmax(probs.data() + h * len, len);
 
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_row(vp, [&](int64_t t) {

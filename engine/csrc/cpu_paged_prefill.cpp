@@ -125,13 +125,7 @@ void run_item(const Item& it, const Shape& sh, const T* q, const T* k_cache, con
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t seen = position0 + r / group + 1;
     float* p = s.scores.data() + r * width;
-    const float top = *std::max_element(p, p + seen);
-    float sum = 0.f;
-    for (int64_t t = 0; t < seen; ++t) {
-      p[t] = std::exp(p[t] - top);
-      sum += p[t];
-    }
-    const float inv = 1.f / sum;
+    softmax(p, seen);
     float* o = s.row.data();
     if constexpr (DIM > 0 && DIM % kLanes == 0 && DIM <= 128) {
       Lanes acc[DIM / kLanes] = {};
@@ -139,14 +133,13 @@ void run_item(const Item& it, const Shape& sh, const T* q, const T* k_cache, con
         const float* vt = s.values.data() + t * DIM;
         for (int64_t c = 0; c < DIM / kLanes; ++c) acc[c] += p[t] * load(vt + c * kLanes);
       }
-      for (int64_t c = 0; c < DIM / kLanes; ++c) store(o + c * kLanes, acc[c] * inv);
+      for (int64_t c = 0; c < DIM / kLanes; ++c) store(o + c * kLanes, acc[c]);
     } else {
       std::fill(o, o + dim, 0.f);
       for (int64_t t = 0; t < seen; ++t) {
         const float* vt = s.values.data() + t * dim;
         for (int64_t d = 0; d < dim; ++d) o[d] += p[t] * vt[d];
       }
-      for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
     }
     const int64_t token = q_start + it.first + r / group;
     const int64_t head = it.kv_head * group + r % group;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import gguf
 import numpy as np
@@ -17,6 +18,16 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fleetllm.engine.model_files import builtin_gguf, resolve_model
+
+
+@pytest.fixture(scope="session")
+def kernel() -> ModuleType:
+    """The engine's CPU kernels (built here if this machine has no build of them yet)."""
+    from fleetllm.engine import cpu_kernels
+
+    module = cpu_kernels.load_kernel()
+    assert module is not None, "the kernels did not build: see the warning logged above"
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -9,20 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fleetllm.engine import cpu_kernels
 from fleetllm.engine.cpu_linear import (
     FEW_ROWS,
     PackedLinear,
     packing_supported,
     use_few_rows_kernel,
 )
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    kernel = cpu_kernels.load_kernel()
-    assert kernel is not None, "the kernels did not build: see the warning logged above"
-    return kernel
 
 
 def followed_by_nan(rows: int, width: int, gen: torch.Generator) -> torch.Tensor:

@@ -4,16 +4,7 @@ from __future__ import annotations
 
 import logging
 
-import pytest
-
 from fleetllm.engine import cpu_kernels
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    module = cpu_kernels.load_kernel()
-    assert module is not None, "the kernels did not build: see the warning logged above"
-    return module
 
 
 def test_flags_follow_the_cpu():

@@ -7,17 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetllm.engine import cpu_attention, cpu_kernels
+from fleetllm.engine import cpu_attention
 from fleetllm.engine.attention import AttentionMetadata, TorchPagedAttention, build_metadata
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    module = cpu_kernels.load_kernel()
-    assert module is not None, "the kernel did not build: see the warning logged above"
-    return module
 
 
 def prefill_batch(

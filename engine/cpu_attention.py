@@ -7,7 +7,7 @@ The decode kernel reads each sequence's own tokens straight from its blocks, onc
 arithmetic, on torch's threads (figures in docs/engine.md, "On a CPU"). For prefill the
 reference gathers each chunk's cached context and runs SDPA once per chunk, which on a CPU
 reaches about half of what the prefill kernel does (1.4-2.3x slower on SmolLM2's chunks,
-docs/benchmarks.md); the kernel reads every chunk's context from its blocks, all chunks of a
+docs/benchmarks-vllm.md); the kernel reads every chunk's context from its blocks, all chunks of a
 step in one call. Both are built with the engine's other CPU kernels (`cpu_kernels.py`);
 without them attention stays on the torch reference.
 """

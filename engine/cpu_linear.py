@@ -9,7 +9,7 @@ batches of 8-64 rows and 1.1-1.25x at 512 (AVX2, docs/engine.md).
 At one to `FEW_ROWS` rows (decoding one to a few sequences) a float32 layer is a pass over its
 weight, bound by memory bandwidth, and the engine's own kernel (`csrc/cpu_few_rows_linear.cpp`)
 makes that pass from the plain weight faster than oneDNN does from its layout: 1.1-1.3x over
-every linear of SmolLM2 at one to four rows (docs/benchmarks.md). So a float32 layer keeps its
+every linear of SmolLM2 at one to four rows (docs/benchmarks-vllm.md). So a float32 layer keeps its
 plain weight beside the reordered one (`sizing.keeps_plain_linears`; a tied LM head's plain
 weight is the embedding itself), and runs few rows on the kernel once the engine hands it one
 (`use_few_rows_kernel`).

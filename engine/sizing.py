@@ -28,7 +28,7 @@ MAX_NUM_BATCHED_TOKENS = 2048
 CPU_MAX_NUM_BATCHED_TOKENS = 512
 """A CPU step's token budget where none is given. 512 rows already keep a CPU's matmuls at
 their peak, while a step of 2048 prompt tokens takes seconds there, holding back every
-decode and every other first token; measured in docs/benchmarks.md ("Step budget and
+decode and every other first token; measured in docs/benchmarks-vllm.md ("Step budget and
 admission order"). The planner gives its CPU replicas the same budget, for its activations."""
 
 

@@ -14,19 +14,25 @@ the CPU flags it was chosen from, the instruction sets torch's kernels run with 
 ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS to measure as on an older
 CPU) and the load average are printed with the figures. Both sides run on the same threads, and
 timings are only meaningful while nothing else competes for them: with more runnable threads
-than cores, every parallel region waits for a descheduled thread.
+than cores, every parallel region waits for a descheduled thread. `--busy-neighbour` measures
+exactly that: a process spins on the last CPU throughout (a neighbour pod, a client), the engine
+with its thread governor (or without: `--no-adaptive-threads`; engine/cpu_threads.py).
 
     python benchmarks/throughput.py [--model smollm2-135m] [--dtype auto] [--threads 2]
+        [--busy-neighbour] [--no-adaptive-threads]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -199,7 +205,40 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true", help="only measure fleetllm")
+    ap.add_argument(
+        "--adaptive-threads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's thread governor (engine/cpu_threads.py)",
+    )
+    ap.add_argument(
+        "--busy-neighbour",
+        action="store_true",
+        help="run a process spinning on the last CPU throughout, as a neighbour "
+        "pod or a client would take a core",
+    )
     args = ap.parse_args()
+    with busy_neighbour(args.busy_neighbour):
+        return measure(args)
+
+
+@contextlib.contextmanager
+def busy_neighbour(wanted: bool) -> Iterator[None]:
+    if not wanted:
+        yield
+        return
+    cpu = max(os.sched_getaffinity(0))
+    code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
+    spinner = subprocess.Popen([sys.executable, "-c", code])
+    log(f"busy neighbour: a process spinning on CPU {cpu}")
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def measure(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -212,6 +251,7 @@ def main() -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
+        adaptive_threads=args.adaptive_threads,
     )
     cfg = llm.engine.model_config
     dtype = llm.engine.dtype
@@ -220,7 +260,9 @@ def main() -> int:
     log(
         f"workload: {args.requests} requests, {sum(len(p) for p, _ in workload)} prompt tokens, "
         f"{sum(o for _, o in workload)} output tokens; {args.model} {dtype_name} "
-        f"(--dtype {args.dtype}), {args.threads} threads"
+        f"(--dtype {args.dtype}), {args.threads} threads "
+        f"({'adaptive' if args.adaptive_threads else 'fixed'})"
+        f"{', busy neighbour' if args.busy_neighbour else ''}"
     )
 
     llm.generate(workload[0][0], SamplingParams(max_tokens=4))  # warm-up

@@ -113,7 +113,18 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument(
-        "--num-threads", type=int, default=None, help="torch threads (default: torch's own)"
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch threads at most (default: the cores this process may use: its affinity, "
+        "its cgroup's CPU quota)",
+    )
+    p.add_argument(
+        "--adaptive-threads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a CPU, drop threads while other processes take cores and probe for them "
+        "again (the kernel's run-queue delay tells); --no-adaptive-threads keeps the count",
     )
     p.add_argument(
         "--skip-tokenizer-init",
@@ -309,6 +320,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         device=args.device,
         num_threads=args.num_threads,
+        adaptive_threads=args.adaptive_threads,
         enforce_eager=args.enforce_eager,
         load_format=args.load_format,
         skip_tokenizer_init=args.skip_tokenizer_init,

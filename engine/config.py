@@ -308,6 +308,8 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     num_threads: int | None = None
+    # CPU, one rank: fewer threads while other processes take cores (cpu_threads.py).
+    adaptive_threads: bool = True
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False  # CUDA: no decode graphs
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shapes

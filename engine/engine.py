@@ -8,7 +8,6 @@ offline `LLM` drives it until every request is done.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fleetllm.engine import capacity, kv_cache, prompt_logprobs
+from fleetllm.engine import capacity, cpu_threads, kv_cache, prompt_logprobs
 from fleetllm.engine.block_manager import KVCacheManager
 from fleetllm.engine.config import (
     EngineConfig,
@@ -107,8 +106,9 @@ class LLMEngine:
             enforce_eager=config.enforce_eager,
             max_loras=config.max_loras if config.enable_lora else 0,
             max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
-            # Ranks share the machine's cores unless told otherwise.
-            num_threads=config.num_threads or max(1, (os.cpu_count() or 1) // tp),
+            # Ranks share the cores this process may use unless told otherwise.
+            num_threads=config.num_threads or max(1, cpu_threads.usable_cores() // tp),
+            adaptive_threads=config.adaptive_threads,
         )
         self.executor = (
             LocalExecutor(worker_spec) if tp == 1 else MultiprocExecutor(worker_spec, tp)

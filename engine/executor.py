@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import socket
 import threading
+import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fleetllm.engine.cpu_threads import ThreadGovernor
 from fleetllm.engine.model_runner import ModelRunner, StepInput
 from fleetllm.engine.parallel import TensorParallel
 from fleetllm.engine.quantization import weight_bytes
@@ -57,6 +59,13 @@ class LocalExecutor:
         self.weight_bytes = [weight_bytes(self.model)]
         self.lora_bytes = [lora_bytes(self.model)]
         self.runner: ModelRunner | None = None
+        # Steps run on the engine's thread, whose OpenMP thread count is its own: set there.
+        self.threads = (
+            ThreadGovernor(spec.num_threads)
+            if spec.adaptive_threads and self.device.type == "cpu" and spec.num_threads
+            else None
+        )
+        self._threads_set = False
 
     def free_memory_per_rank(self) -> int:
         return free_memory_bytes(self.device)
@@ -83,9 +92,22 @@ class LocalExecutor:
 
     def execute(self, step: StepInput) -> torch.Tensor:
         assert self.runner is not None
+        self._govern_threads()
         logits = self.runner.execute(step)
         assert logits is not None
         return logits
+
+    def _govern_threads(self) -> None:
+        if self.threads is None:
+            return
+        if not self._threads_set:  # the first step on the engine's thread
+            torch.set_num_threads(self.threads.threads)
+            self._threads_set = True
+        threads = self.threads.observe(time.monotonic())
+        if threads is not None:
+            torch.set_num_threads(threads)
+            extra = {"threads": threads, "max_threads": self.threads.max_threads}
+            log.info("compute threads changed", extra=extra)
 
     def check_health(self) -> None:
         pass

@@ -61,6 +61,7 @@ class WorkerSpec:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     num_threads: int | None = None
+    adaptive_threads: bool = False  # the local executor's thread governor (cpu_threads.py)
     load_format: str = "auto"
     enforce_eager: bool = False
     max_loras: int = 0  # LoRA slots; 0: no LoRA

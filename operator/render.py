@@ -31,6 +31,7 @@ from fleetllm.operator import drain_hook
 from fleetllm.operator.engine_pod import apply_cluster_settings
 from fleetllm.operator.pod_env import CACHE_DIR, RUN_AS, base_env, engine_env, with_user_env
 from fleetllm.operator.render_access import key_env, networkpolicy_name, render_networkpolicy
+from fleetllm.planner.engine_argv import cpu_cores
 from fleetllm.planner.placement import MODEL_CACHE_MOUNT, MODEL_MOUNT
 from fleetllm.planner.plan import Plan
 from fleetllm.planner.settings import DEFAULT_CONFIG, OperatorConfig
@@ -165,9 +166,7 @@ def _resources(cr: LLMDeployment, plan: Plan, config: OperatorConfig) -> dict[st
         limits: dict[str, str] = {"memory": memory, GPU_RESOURCE: str(plan.devices)}
     else:
         memory = _gib_quantity(plan.estimate.memory_bytes)
-        # A core per tensor-parallel rank (each rank's process computes its shard).
-        cores = max(2, cr.spec.parallelism.tensor)
-        requests = {"cpu": str(cores), "memory": memory}
+        requests = {"cpu": str(cpu_cores(cr.spec)), "memory": memory}
         limits = {"memory": memory}
     # The scheduler only counts node disk that is requested: the emptyDirs (a download among
     # them) must fit on the node.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.local.vllm import cpu_env
-from fleetllm.planner.engine_argv import KV_EVENTS_FLAG
+from fleetllm.planner.engine_argv import KV_EVENTS_FLAG, NUM_THREADS_FLAG
 from fleetllm.planner.lora import lora_env
 from fleetllm.planner.plan import Plan
 from fleetllm.planner.timing import startup_seconds
@@ -127,9 +127,15 @@ def replica_argv(
 ) -> list[str]:
     """The full command line of one replica listening on loopback:`port`."""
     args = local_args(model, port, events)
-    # Extra args the user gave win over this local default.
-    if model.backend == "builtin" and threads is not None and not _has_flag(args, "--num-threads"):
-        args += ["--num-threads", str(threads)]
+    # The planned count is for a pod's CPU request; here the fleet shares this machine's cores
+    # (`threads`). Extra args the user gave win over both.
+    extra = model.cr.spec.engine.extra_args
+    if model.backend == "builtin" and not _has_flag(extra, NUM_THREADS_FLAG):
+        if NUM_THREADS_FLAG in args:
+            at = args.index(NUM_THREADS_FLAG)
+            del args[at : at + 2]
+        if threads is not None:
+            args += [NUM_THREADS_FLAG, str(threads)]
     return [*model.executable, *model.plan.command[1:], *args]
 
 

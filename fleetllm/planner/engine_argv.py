@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import math
 
 from fleetllm.api.catalog import GPUType
 from fleetllm.api.contract import ENGINE_PORT, KV_EVENTS_PORT, KV_EVENTS_TOPIC, KV_REPLAY_PORT
 from fleetllm.api.deployment import LLMDeploymentSpec
+from fleetllm.api.quantity import parse_quantity
 from fleetllm.planner.lora import lora_args
 from fleetllm.planner.memory import MemoryEstimate
 from fleetllm.planner.vllm_cpu import KV_FLAG, kv_cache_bytes
@@ -74,6 +76,8 @@ def engine_command(
         ]
         if spec.parallelism.tensor > 1:
             builtin += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
+        if not gpu.is_gpu and not _sets(spec.engine.extra_args, NUM_THREADS_FLAG):
+            builtin += [NUM_THREADS_FLAG, str(cpu_threads_per_rank(spec))]
         if quant.weights != "none":
             builtin += ["--quantization", quant.weights]
         if quant.kv_cache != "auto":
@@ -118,6 +122,30 @@ def _vllm_memory_args(gpu: GPUType, est: MemoryEstimate) -> tuple[str, str]:
     if gpu.is_gpu:
         return ("--gpu-memory-utilization", f"{float(est.tuning.memory_utilization):.2f}")
     return (KV_FLAG, str(kv_cache_bytes(est)))
+
+
+NUM_THREADS_FLAG = "--num-threads"
+
+
+def cpu_cores(spec: LLMDeploymentSpec) -> int:
+    """The CPU cores a CPU replica's pod requests where pod.resources does not say: one per
+    tensor-parallel rank (each rank's process computes its shard), at least two."""
+    return max(2, spec.parallelism.tensor)
+
+
+def cpu_threads_per_rank(spec: LLMDeploymentSpec) -> int:
+    """The builtin engine's threads per rank on a CPU: the cores the pod requests, shared by
+    its ranks. Planned, because a container sees every core of its node (its affinity, and
+    no quota without a CPU limit), and threads for cores the pod was not given contend with
+    the node's other pods at every parallel region (engine/cpu_threads.py)."""
+    resources = spec.pod.resources
+    requested = resources.requests.get("cpu") if resources is not None else None
+    cores = parse_quantity(requested) if requested is not None else cpu_cores(spec)
+    return max(1, math.floor(cores) // spec.parallelism.tensor)
+
+
+def _sets(args: list[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in args)
 
 
 def waiting_bound(max_num_seqs: int) -> int:

@@ -66,6 +66,32 @@ def test_throughput_compares_the_engine_with_hf_and_the_matmul_peak(chat_model: 
     assert "cpu flags" in out and "load average" in out
 
 
+@pytest.mark.parametrize("adaptive", ["--adaptive-threads", "--no-adaptive-threads"])
+def test_throughput_beside_a_busy_neighbour_stops_its_spinner(chat_model: Path, adaptive: str):
+    done = run(
+        "throughput.py", "--model", str(chat_model), "--requests", "4", "--max-num-seqs", "4",
+        "--threads", "1", "--skip-hf", "--busy-neighbour", adaptive,
+    )  # fmt: skip
+    out = done.stdout + done.stderr  # the progress lines go to stderr
+    assert "busy neighbour: a process spinning on CPU" in out
+    assert ("(adaptive)" in out) == (adaptive == "--adaptive-threads")
+    assert figure(out, r"fleetllm engine\s*:\s*([\d.]+) output tokens/s") > 0
+    assert not spinning_processes()  # the neighbour went with the run
+
+
+def spinning_processes() -> list[str]:
+    """The command lines of running processes that are throughput.py's neighbour."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # ended meanwhile
+        if "os.sched_setaffinity" in text and "while True" in text:
+            found.append(text)
+    return found
+
+
 def test_step_profile_breaks_fleetllm_steps_down(chat_model: Path, tmp_path: Path) -> None:
     result = tmp_path / "profile.json"
     run(

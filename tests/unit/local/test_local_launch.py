@@ -60,13 +60,22 @@ def test_builtin_replica_runs_the_planned_engine_on_loopback() -> None:
     # The planned drain: engine.drainSeconds (60 by default).
     assert flags["--shutdown-grace-period"] == "60"
     assert flags["--num-threads"] == "1"
-    # Every planned flag is there with its planned value, the address aside.
+    # Every planned flag is there with its planned value, the address aside, and the threads:
+    # planned for a pod's CPU request, here the fleet's share of this machine's cores.
     planned = _pairs(list(model.plan.args))
+    assert planned["--num-threads"] == "2"
+    assert list(argv).count("--num-threads") == 1
     for flag, value in planned.items():
-        if flag not in ("--host", "--port"):
+        if flag not in ("--host", "--port", "--num-threads"):
             assert flags[flag] == value, flag
     assert flags["--model"] == "smollm2-135m" and flags["--device"] == "cpu"
     assert flags["--num-kv-blocks"] == str(model.plan.status.num_kv_blocks)
+
+
+def test_without_a_local_thread_count_the_engine_finds_its_cores() -> None:
+    (model,) = load_fleet([])
+    assert "--num-threads" in model.plan.args  # planned for a pod
+    assert "--num-threads" not in replica_argv(model, 43210, threads=None)
 
 
 def test_extra_args_win_over_local_defaults(tmp_path: Path) -> None:

@@ -268,6 +268,9 @@ def measure(args: argparse.Namespace) -> int:
     llm.generate(workload[0][0], SamplingParams(max_tokens=4))  # warm-up
     ours = run_ours(llm, workload)
     log(f"  fleetllm:       {ours:8.1f} output tok/s")
+    governor = getattr(llm.engine.executor, "threads", None)
+    if governor is not None:
+        log(f"  compute threads at the end: {governor.threads} of {governor.max_threads}")
     context = 192
     step, fwd = step_overhead(llm, batch=args.max_num_seqs, context=context, iters=20)
     peak = matmul_peak(cfg, dtype)

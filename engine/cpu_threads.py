@@ -14,9 +14,10 @@ docs/benchmarks.md). So the thread count follows what the scheduler reports:
   torch's own default (the physical cores).
 - While running, `ThreadGovernor` reads how long the process's threads waited for a core
   (`/proc/self/task/*/schedstat`, the kernel's run-queue delay). Quiet, that is about 0.01 s
-  per second; with a neighbour on one core, 0.7. Above `CONTENDED` one thread is dropped; the
-  count comes back by a probe (one more thread, kept if the wait stays low), at intervals
-  that double while probes fail, so a lasting neighbour costs one window now and then.
+  per second; with a neighbour on one core, 0.7. Above `CONTENDED` for `SUSTAINED` windows in
+  a row, one thread is dropped; the count comes back by a probe (one more thread, kept if the
+  wait stays low), at intervals that double while probes fail, so a lasting neighbour costs
+  two windows now and then.
 
 Pure logic (`ThreadGovernor`) apart from the readings (`cgroup_cpu_limit`, `run_delay`).
 """
@@ -31,9 +32,12 @@ from pathlib import Path
 WINDOW_S = 1.0
 """Seconds between readings of the run-queue delay."""
 CONTENDED = 0.25
-"""Seconds waited for a core per second (summed over the threads) above which a thread is
-dropped: a quarter of a core; quiet, the engine's threads wait about 0.01."""
-FIRST_PROBE_S = 10.0
+"""Seconds waited for a core per second (summed over the threads) above which the cores count
+as shared: a quarter of a core; quiet, the engine's threads wait about 0.01."""
+SUSTAINED = 2
+"""Shared windows in a row before a thread is dropped: a moment's load (another process
+starting, a burst of requests to parse) is not a neighbour."""
+FIRST_PROBE_S = 4.0
 """Seconds after dropping a thread before one more is tried."""
 MAX_PROBE_S = 320.0
 """The longest interval between probes while they keep failing."""
@@ -107,6 +111,7 @@ class ThreadGovernor:
         self._probe_after = FIRST_PROBE_S
         self._next_probe: float | None = None
         self._probing = False
+        self._shared = 0  # shared windows in a row
 
     def observe(self, now: float) -> int | None:
         """The new thread count when it changes at `now` (monotonic seconds), else None."""
@@ -122,15 +127,19 @@ class ThreadGovernor:
         return self._decide(now, waited)
 
     def _decide(self, now: float, waited: float) -> int | None:
-        if waited > CONTENDED:
+        self._shared = self._shared + 1 if waited > CONTENDED else 0
+        if self._shared >= SUSTAINED:
             if self._probing:  # the probe found the cores still shared: wait longer
                 self._probe_after = min(2 * self._probe_after, MAX_PROBE_S)
                 self._probing = False
             if self.threads == 1:
                 return None
+            self._shared = 0
             self.threads -= 1
             self._next_probe = now + self._probe_after
             return self.threads
+        if waited > CONTENDED:
+            return None  # shared for a moment so far
         if self._probing:  # a window without contention: the probe's thread stays
             self._probing = False
             self._probe_after = FIRST_PROBE_S

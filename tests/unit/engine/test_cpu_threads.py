@@ -15,6 +15,7 @@ from fleetllm.engine.cpu_threads import (
     CONTENDED,
     FIRST_PROBE_S,
     MAX_PROBE_S,
+    SUSTAINED,
     WINDOW_S,
     ThreadGovernor,
     cgroup_cpu_limit,
@@ -96,10 +97,20 @@ def test_quiet_cores_keep_every_thread():
     assert clock.governor.threads == 4
 
 
-def test_a_lasting_neighbour_takes_a_thread_per_window_down_to_one():
+def test_a_lasting_neighbour_takes_threads_down_to_one():
     clock = Clock(ThreadGovernor(3))
-    assert [clock.window(0.7) for _ in range(4)] == [2, 1, None, None]
+    changes = [clock.window(0.7) for _ in range(3 * SUSTAINED)]
+    assert [c for c in changes if c is not None] == [2, 1]
+    assert changes[SUSTAINED - 1] == 2  # after SUSTAINED windows, not before
     assert clock.governor.threads == 1
+
+
+def test_a_moment_of_load_is_not_a_neighbour():
+    clock = Clock(ThreadGovernor(2))
+    for _ in range(20):
+        assert all(clock.window(5.0) is None for _ in range(SUSTAINED - 1))
+        assert clock.window(0.01) is None
+    assert clock.governor.threads == 2
 
 
 def test_readings_closer_than_a_window_are_not_taken():
@@ -110,9 +121,14 @@ def test_readings_closer_than_a_window_are_not_taken():
     assert governor.threads == 2
 
 
+def shared_until_dropped(clock: Clock) -> None:
+    assert [clock.window(0.7) for _ in range(SUSTAINED)][-1] == clock.governor.threads
+
+
 def test_a_probe_keeps_its_thread_once_the_neighbour_is_gone():
     clock = Clock(ThreadGovernor(2))
-    assert clock.window(0.7) == 1
+    shared_until_dropped(clock)
+    assert clock.governor.threads == 1
     assert clock.window(0.0, FIRST_PROBE_S - WINDOW_S) is None  # not yet
     assert clock.window(0.0) == 2  # the probe
     assert all(clock.window(0.01) is None for _ in range(50))  # kept
@@ -121,7 +137,7 @@ def test_a_probe_keeps_its_thread_once_the_neighbour_is_gone():
 
 def test_failed_probes_come_less_often():
     clock = Clock(ThreadGovernor(2))
-    assert clock.window(0.7) == 1
+    shared_until_dropped(clock)
     gaps = []
     last_drop = clock.now
     for _ in range(400):
@@ -130,8 +146,9 @@ def test_failed_probes_come_less_often():
             gaps.append(clock.now - last_drop)
             last_drop = clock.now
     # Each probe waited twice as long as the one before it, up to the longest interval.
-    assert gaps[:5] == pytest.approx([k * FIRST_PROBE_S + WINDOW_S for k in (1, 2, 4, 8, 16)])
-    assert max(gaps) <= MAX_PROBE_S + WINDOW_S + 1e-9
+    sustained = SUSTAINED * WINDOW_S
+    assert gaps[:5] == pytest.approx([k * FIRST_PROBE_S + sustained for k in (1, 2, 4, 8, 16)])
+    assert max(gaps) <= MAX_PROBE_S + sustained + 1e-9
 
 
 def test_no_reading_no_decision():
@@ -186,6 +203,7 @@ def test_the_engine_sets_its_threads_on_the_step_thread(monkeypatch):
     monkeypatch.setattr(cpu_threads, "WINDOW_S", 0.0)
     executor._govern_threads()  # the first step: the full count
     assert set_to == [2]
-    clock.delay += 5.0  # five seconds waited since the last reading
-    executor._govern_threads()
+    for _ in range(SUSTAINED):
+        clock.delay += 5.0  # five seconds waited since the last reading
+        executor._govern_threads()
     assert set_to == [2, 1]

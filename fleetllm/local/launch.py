@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fleetllm.api.deployment import LLMDeployment
 from fleetllm.local.vllm import cpu_env
-from fleetllm.planner.engine_argv import KV_EVENTS_FLAG, NUM_THREADS_FLAG
+from fleetllm.planner.engine_argv import KV_EVENTS_FLAG, NUM_THREADS_FLAG, sets_flag
 from fleetllm.planner.lora import lora_env
 from fleetllm.planner.plan import Plan
 from fleetllm.planner.timing import startup_seconds
@@ -87,10 +87,6 @@ def hold_timeout(models: Sequence[LocalModel]) -> float:
     return max([RouterSettings.hold_timeout, *vllm])
 
 
-def _has_flag(args: Sequence[str], flag: str) -> bool:
-    return any(arg == flag or arg.startswith(flag + "=") for arg in args)
-
-
 def kv_events_endpoint(model: LocalModel, sockets: Path, port: int) -> KVEventsEndpoint | None:
     """Where the replica listening on `port` publishes its KV events: Unix sockets in
     `sockets` (a folder only this user reaches); None unless its model is routed kv-aware."""
@@ -130,7 +126,7 @@ def replica_argv(
     # The planned count is for a pod's CPU request; here the fleet shares this machine's cores
     # (`threads`). Extra args the user gave win over both.
     extra = model.cr.spec.engine.extra_args
-    if model.backend == "builtin" and not _has_flag(extra, NUM_THREADS_FLAG):
+    if model.backend == "builtin" and not sets_flag(extra, NUM_THREADS_FLAG):
         if NUM_THREADS_FLAG in args:
             at = args.index(NUM_THREADS_FLAG)
             del args[at : at + 2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 
 from fleetllm.api.catalog import GPUType
 from fleetllm.api.contract import ENGINE_PORT, KV_EVENTS_PORT, KV_EVENTS_TOPIC, KV_REPLAY_PORT
@@ -76,7 +77,7 @@ def engine_command(
         ]
         if spec.parallelism.tensor > 1:
             builtin += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
-        if not gpu.is_gpu and not _sets(spec.engine.extra_args, NUM_THREADS_FLAG):
+        if not gpu.is_gpu and not sets_flag(spec.engine.extra_args, NUM_THREADS_FLAG):
             builtin += [NUM_THREADS_FLAG, str(cpu_threads_per_rank(spec))]
         if quant.weights != "none":
             builtin += ["--quantization", quant.weights]
@@ -144,7 +145,8 @@ def cpu_threads_per_rank(spec: LLMDeploymentSpec) -> int:
     return max(1, math.floor(cores) // spec.parallelism.tensor)
 
 
-def _sets(args: list[str], flag: str) -> bool:
+def sets_flag(args: Sequence[str], flag: str) -> bool:
+    """Whether `args` give `flag`, as `--flag value` or `--flag=value`."""
     return any(arg == flag or arg.startswith(flag + "=") for arg in args)
 
 

@@ -17,7 +17,7 @@ docs/benchmarks.md). So the thread count follows what the scheduler reports:
   per second; with a neighbour on one core, 0.7. Above `CONTENDED` for `SUSTAINED` windows in
   a row, one thread is dropped; the count comes back by a probe (one more thread, kept if the
   wait stays low), at intervals that double while probes fail, so a lasting neighbour costs
-  two windows now and then.
+  one window now and then.
 
 Pure logic (`ThreadGovernor`) apart from the readings (`cgroup_cpu_limit`, `run_delay`).
 """
@@ -128,7 +128,8 @@ class ThreadGovernor:
 
     def _decide(self, now: float, waited: float) -> int | None:
         self._shared = self._shared + 1 if waited > CONTENDED else 0
-        if self._shared >= SUSTAINED:
+        # A probe's own window tells at once: the thread it added is what waits.
+        if self._shared >= SUSTAINED or (self._shared and self._probing):
             if self._probing:  # the probe found the cores still shared: wait longer
                 self._probe_after = min(2 * self._probe_after, MAX_PROBE_S)
                 self._probing = False

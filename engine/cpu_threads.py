@@ -72,6 +72,16 @@ def usable_cores() -> int:
     return cores_within(torch.get_num_threads(), len(os.sched_getaffinity(0)), cgroup_cpu_limit())
 
 
+def rank_threads(given: int | None, ranks: int) -> int | None:
+    """Threads per rank: as given; else for several ranks (processes of their own) a share of
+    the usable cores; for one rank None: it decides at its first step, on the thread that
+    runs the steps, within what that thread runs with (a library caller's
+    torch.set_num_threads holds)."""
+    if given is not None or ranks == 1:
+        return given
+    return max(1, usable_cores() // ranks)
+
+
 def cores_within(default_threads: int, affinity: int, limit: float | None) -> int:
     """torch's default thread count (the physical cores), no more than the CPUs the process's
     affinity allows nor its cgroup's quota (`limit`, in cores, rounded down); at least one."""

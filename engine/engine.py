@@ -107,7 +107,7 @@ class LLMEngine:
             max_loras=config.max_loras if config.enable_lora else 0,
             max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
             # Ranks share the cores this process may use unless told otherwise.
-            num_threads=config.num_threads or max(1, cpu_threads.usable_cores() // tp),
+            num_threads=cpu_threads.rank_threads(config.num_threads, tp),
             adaptive_threads=config.adaptive_threads,
         )
         self.executor = (

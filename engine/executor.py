@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleetllm.engine.cpu_threads import ThreadGovernor
+from fleetllm.engine import cpu_threads
 from fleetllm.engine.model_runner import ModelRunner, StepInput
 from fleetllm.engine.parallel import TensorParallel
 from fleetllm.engine.quantization import weight_bytes
@@ -59,13 +59,10 @@ class LocalExecutor:
         self.weight_bytes = [weight_bytes(self.model)]
         self.lora_bytes = [lora_bytes(self.model)]
         self.runner: ModelRunner | None = None
-        # Steps run on the engine's thread, whose OpenMP thread count is its own: set there.
-        self.threads = (
-            ThreadGovernor(spec.num_threads)
-            if spec.adaptive_threads and self.device.type == "cpu" and spec.num_threads
-            else None
-        )
-        self._threads_set = False
+        # Steps run on the engine's thread, whose OpenMP thread count is its own: set there,
+        # at the first step (`_govern_threads`).
+        self.threads: cpu_threads.ThreadGovernor | None = None
+        self._threads_set = self.device.type != "cpu"
 
     def free_memory_per_rank(self) -> int:
         return free_memory_bytes(self.device)
@@ -98,11 +95,15 @@ class LocalExecutor:
         return logits
 
     def _govern_threads(self) -> None:
+        if not self._threads_set:
+            # Not given: the cores this thread may use (cpu_threads.rank_threads).
+            threads = self.spec.num_threads or cpu_threads.usable_cores()
+            torch.set_num_threads(threads)
+            self._threads_set = True
+            if self.spec.adaptive_threads:
+                self.threads = cpu_threads.ThreadGovernor(threads)
         if self.threads is None:
             return
-        if not self._threads_set:  # the first step on the engine's thread
-            torch.set_num_threads(self.threads.threads)
-            self._threads_set = True
         threads = self.threads.observe(time.monotonic())
         if threads is not None:
             torch.set_num_threads(threads)

@@ -188,22 +188,57 @@ def test_the_count_moves_one_thread_at_a_time_within_bounds(max_threads, windows
 
 
 def test_the_engine_sets_its_threads_on_the_step_thread(monkeypatch):
-    """The local executor applies the governor's count before a step, in the thread that runs
-    it (OpenMP's thread count belongs to the calling thread)."""
+    """The local executor sets the count before its first step, in the thread that runs the
+    steps (OpenMP's thread count belongs to the calling thread), then follows the governor."""
     import torch
 
     from fleetllm.engine.executor import LocalExecutor
+    from fleetllm.engine.worker import WorkerSpec
 
     set_to: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
-    executor = LocalExecutor.__new__(LocalExecutor)  # no model: only the thread governor
-    executor.threads = ThreadGovernor(2)
-    executor._threads_set = False
-    clock = Clock(executor.threads)
     monkeypatch.setattr(cpu_threads, "WINDOW_S", 0.0)
-    executor._govern_threads()  # the first step: the full count
-    assert set_to == [2]
+    executor = LocalExecutor.__new__(LocalExecutor)  # no model: only the threads
+    executor.spec = WorkerSpec(
+        "m", torch.float32, "cpu", 64, 1, 16, num_threads=2, adaptive_threads=True
+    )
+    executor.threads, executor._threads_set = None, False
+    executor._govern_threads()  # the first step: the full count, and a governor
+    assert set_to == [2] and executor.threads is not None
+    clock = Clock(executor.threads)
     for _ in range(SUSTAINED):
         clock.delay += 5.0  # five seconds waited since the last reading
         executor._govern_threads()
     assert set_to == [2, 1]
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_without_a_count_the_step_thread_keeps_what_it_runs_with(monkeypatch, adaptive):
+    """A library caller's torch.set_num_threads holds: the engine takes no more threads than
+    the thread running its steps has, within the cores the process may use."""
+    import torch
+
+    from fleetllm.engine.executor import LocalExecutor
+    from fleetllm.engine.worker import WorkerSpec
+
+    before = torch.get_num_threads()
+    executor = LocalExecutor.__new__(LocalExecutor)
+    executor.spec = WorkerSpec("m", torch.float32, "cpu", 64, 1, 16, adaptive_threads=adaptive)
+    executor.threads, executor._threads_set = None, False
+    try:
+        torch.set_num_threads(1)
+        executor._govern_threads()
+        assert torch.get_num_threads() == 1
+        assert (executor.threads is not None) == adaptive
+        if adaptive:
+            assert executor.threads.max_threads == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_ranks_share_the_usable_cores(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 8)
+    assert cpu_threads.rank_threads(None, 1) is None  # one rank decides on its step thread
+    assert cpu_threads.rank_threads(None, 2) == 4
+    assert cpu_threads.rank_threads(None, 16) == 1
+    assert cpu_threads.rank_threads(3, 2) == 3  # given: as given

@@ -111,12 +111,14 @@ class ThreadGovernor:
     """The thread count for `max_threads` cores shared with whoever else runs there; call
     `observe` before each step, apply what it returns."""
 
-    def __init__(self, max_threads: int, read_delay: Callable[[], float | None] = run_delay):
+    def __init__(
+        self, max_threads: int, read_delay: Callable[[], float | None] | None = None
+    ) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         self.max_threads = max_threads
         self.threads = max_threads
-        self.read_delay = read_delay
+        self.read_delay = read_delay or run_delay
         self._last: tuple[float, float] | None = None  # (time, delay) of the last reading
         self._probe_after = FIRST_PROBE_S
         self._next_probe: float | None = None

@@ -196,7 +196,9 @@ def test_the_engine_sets_its_threads_on_the_step_thread(monkeypatch):
     from fleetllm.engine.worker import WorkerSpec
 
     set_to: list[int] = []
+    waited = [0.0]  # the process's run-queue delay, as the kernel would report it
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(cpu_threads, "run_delay", lambda: waited[0])
     monkeypatch.setattr(cpu_threads, "WINDOW_S", 0.0)
     executor = LocalExecutor.__new__(LocalExecutor)  # no model: only the threads
     executor.spec = WorkerSpec(
@@ -205,9 +207,8 @@ def test_the_engine_sets_its_threads_on_the_step_thread(monkeypatch):
     executor.threads, executor._threads_set = None, False
     executor._govern_threads()  # the first step: the full count, and a governor
     assert set_to == [2] and executor.threads is not None
-    clock = Clock(executor.threads)
     for _ in range(SUSTAINED):
-        clock.delay += 5.0  # five seconds waited since the last reading
+        waited[0] += 5.0  # five seconds waited since the last step, however short it was
         executor._govern_threads()
     assert set_to == [2, 1]
 

@@ -239,7 +239,6 @@ def busy_neighbour(wanted: bool) -> Iterator[None]:
 
 
 def measure(args: argparse.Namespace) -> int:
-
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     model_dir = resolve_model(args.model)

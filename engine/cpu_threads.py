@@ -29,6 +29,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 WINDOW_S = 1.0
 """Seconds between readings of the run-queue delay."""
 CONTENDED = 0.25
@@ -67,8 +69,6 @@ def _cores(quota: int, period: int) -> float | None:
 def usable_cores() -> int:
     """Threads for a CPU engine on this machine (`cores_within` what torch, the affinity and
     the cgroup say)."""
-    import torch
-
     return cores_within(torch.get_num_threads(), len(os.sched_getaffinity(0)), cgroup_cpu_limit())
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import alive
 from tinymodels import build_hf_model, hf_greedy
 
 from fleetllm.engine.cpu_linear import packing_supported
@@ -26,19 +27,9 @@ def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[i
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie has exited; only its parent has not collected it yet.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def wait_gone(pids: list[int], guard_s: float = 30.0) -> None:
     deadline = time.monotonic() + guard_s
-    while any(pid_alive(p) for p in pids):
+    while any(alive(p) for p in pids):
         assert time.monotonic() < deadline, f"processes still alive: {pids}"
         time.sleep(0.05)
 
@@ -157,7 +148,7 @@ def test_a_dead_rank_fails_the_engine_and_the_other_ranks_stop(tiny_model) -> No
     )
     engine = llm.engine
     pids = engine.executor.pids
-    assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+    assert len(pids) == 2 and all(alive(p) for p in pids)
     engine.check_health()
     os.kill(pids[1], signal.SIGKILL)
     # Noticed between steps, without any request: the engine reports the failure...

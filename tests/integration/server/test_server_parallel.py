@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from processes import alive
 from server_helpers import SERVED_NAME, ServerProcess, post, tiny_server_args, wait_until
 from tinymodels import write_tiny_model
 
@@ -50,14 +51,6 @@ def rank_pids(server: ServerProcess) -> tuple[list[int], list[int]]:
         if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
     ]
     return ranks, children
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
 
 
 def health(server: ServerProcess) -> int:

@@ -148,14 +148,25 @@ class TorchPagedAttention:
         v_cache: KVCache,
         md: AttentionMetadata,
     ) -> torch.Tensor:
-        kv_cache.write(k_cache, md.slot_mapping, k)
-        kv_cache.write(v_cache, md.slot_mapping, v)
+        self.write(k, v, k_cache, v_cache, md)
         out = torch.empty_like(q)
         if md.num_decodes:
             self.decode(q, k_cache, v_cache, md, out)
         if md.prefills:
             self.prefill(q, k, v, k_cache, v_cache, md, out)
         return out
+
+    def write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
+        md: AttentionMetadata,
+    ) -> None:
+        """Store the step's new keys and values in their cache slots."""
+        kv_cache.write(k_cache, md.slot_mapping, k)
+        kv_cache.write(v_cache, md.slot_mapping, v)
 
     def decode(
         self,

@@ -38,6 +38,17 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.kernel = kernel
 
+    def write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
+        md: AttentionMetadata,
+    ) -> None:
+        # Both in one call; the caches are plain tensors in the model's dtype (`supported`).
+        self.kernel.write_kv_cache(k_cache, v_cache, md.slot_mapping, k, v)
+
     def decode(
         self,
         q: torch.Tensor,
@@ -49,7 +60,7 @@ class CpuPagedAttention(TorchPagedAttention):
         n = md.num_decodes
         assert md.decode_tables is not None and md.decode_context_lens is not None
         self.kernel.paged_decode(
-            q[:n].contiguous(),
+            q[:n],  # rows of the step's qkv: the kernel reads them where they are
             k_cache,
             v_cache,
             md.decode_tables,
@@ -74,7 +85,7 @@ class CpuPagedAttention(TorchPagedAttention):
         pb = md.prefill_batch
         assert pb is not None
         self.kernel.paged_prefill(
-            q.contiguous(),  # a view of the step's qkv rows
+            q,  # rows of the step's qkv: the kernel reads them where they are
             k_cache,
             v_cache,
             pb.tables,

@@ -230,6 +230,10 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self._zero_blocks(range(NULL_BLOCK, NULL_BLOCK + 1))
+        self.zero_fresh_blocks = True
+        """Whether each block is zeroed on its first use: the torch reference reads whole
+        blocks past a sequence's last token (masked, but NaN garbage times a zero weight is
+        NaN); the CPU kernels read only the tokens a sequence has written."""
         self.graphs: DecodeGraphs | None = None
         self.attention: dict[str, str] = {"decode": "torch", "prefill": "torch"}
         """The attention implementation of each phase, and why a Triton kernel fell back."""
@@ -310,7 +314,8 @@ class ModelRunner:
                     attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, kernel
                 )
             )
-            self.attention["decode"] = "cpu kernel"
+            self.attention = {"decode": "cpu kernel", "prefill": "cpu kernel"}
+            self.zero_fresh_blocks = False
         log.info("attention backend", extra=dict(self.attention))
 
     @property
@@ -346,7 +351,8 @@ class ModelRunner:
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Float32 logits [len(logits_indices), vocab]; None on tensor-parallel ranks other
         than 0."""
-        self._zero_blocks(range(*step.fresh_blocks))
+        if self.zero_fresh_blocks:
+            self._zero_blocks(range(*step.fresh_blocks))
         lora = self.model.lora
         for slot, adapter in step.lora_loads.items():
             assert lora is not None, "a LoRA load in a model without LoRA"

@@ -47,13 +47,21 @@ inline void softmax(float* scores, int64_t n) {
   for (int64_t t = 0; t < n; ++t) scores[t] *= inv;
 }
 
-// q, out: [rows, heads, dim]; k_cache, v_cache: [num_slots, kv_heads, dim], num_slots a
-// multiple of block_size; one dtype for all four.
+// A [rows, heads, dim] tensor whose rows may lie apart (a view of the step's fused qkv rows)
+// but whose heads are adjacent within a row: row r, head h starts at r * stride(0) + h * dim.
+inline bool heads_adjacent(const at::Tensor& t) {
+  return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) &&
+         (t.size(0) <= 1 || t.stride(0) >= t.size(1) * t.size(2));
+}
+
+// q: [rows, heads, dim], rows possibly apart (heads_adjacent); out: [rows, heads, dim]
+// contiguous; k_cache, v_cache: [num_slots, kv_heads, dim], num_slots a multiple of
+// block_size; one dtype for all four.
 inline void check_attention_tensors(const char* kernel, const at::Tensor& q,
                                     const at::Tensor& k_cache, const at::Tensor& v_cache,
                                     int64_t block_size, const at::Tensor& out) {
   TORCH_CHECK(q.device().is_cpu(), kernel, " runs on the CPU");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [n, heads, dim] tensor");
+  TORCH_CHECK(heads_adjacent(q), "q must be an [n, heads, dim] tensor with adjacent heads");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous(),
               "the K and V caches must be contiguous [num_slots, kv_heads, dim] tensors");

@@ -9,6 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // step's kernels run (they touch no Python object).
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode", &paged_decode, "Decode attention over a paged KV cache (CPU)", no_gil);
+  m.def("write_kv_cache", &write_kv_cache,
+        "Store the step's keys and values into their cache slots (CPU)", no_gil);
   m.def("paged_prefill", &paged_prefill,
         "Causal prefill attention of chunks over a paged KV cache (CPU)", no_gil);
   m.def("add_rms_norm", &add_rms_norm,

@@ -11,6 +11,9 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   const at::Tensor& tables, const at::Tensor& lens, int64_t block_size,
                   double scale, at::Tensor& out);
 
+void write_kv_cache(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                    const at::Tensor& k, const at::Tensor& v);
+
 void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
                    const at::Tensor& context_lens, int64_t block_size, double scale,

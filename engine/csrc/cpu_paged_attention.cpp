@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -39,6 +40,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t kv_heads = k_cache.size(1);
   const int64_t group = heads / kv_heads;
   const int64_t max_blocks = tables.size(1);
+  const int64_t q_row = q.stride(0);
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -57,7 +59,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t len = lp[seq];
       const int64_t* table = tp + seq * max_blocks;
       const int64_t num_blocks = (len + block_size - 1) / block_size;
-      to_float(qp + seq * heads * dim, query.data(), heads * dim);
+      to_float(qp + seq * q_row, query.data(), heads * dim);
       for (int64_t i = 0; i < heads * dim; ++i) query[i] *= fscale;
       probs.resize(heads * len);
       // Calls visit(t) with `row` holding token t's row of `cache` (every KV head, as floats),
@@ -118,7 +120,7 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 }  // namespace
 
-// q, out: [n, heads, dim]; k_cache, v_cache: [num_slots, kv_heads, dim] with num_slots a
+// q, out: [n, heads, dim] (q's rows may lie apart); k_cache, v_cache: [num_slots, kv_heads, dim] with num_slots a
 // multiple of block_size; tables: [n, max_blocks] int64 block ids; lens: [n] int64 context
 // lengths (the new token's K/V already written). Everything is checked before any read, so a
 // wrong table is an error, never a read outside the cache.
@@ -145,5 +147,41 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       return dispatch_dim<at::Half>(q, k_cache, v_cache, tables, lens, block_size, scale, out);
     default:  // float32 (the dtype was checked)
       return dispatch_dim<float>(q, k_cache, v_cache, tables, lens, block_size, scale, out);
+  }
+}
+
+// Stores a step's new keys and values: row t of k and v into slot slots[t] of each cache, in
+// one call for both (index_copy_ twice is two parallel regions over a few hundred bytes a
+// row). k, v: [T, kv_heads, dim], rows possibly apart (views of the step's qkv rows); the
+// caches: contiguous [num_slots, kv_heads, dim] of k's dtype. Every slot is checked first.
+void write_kv_cache(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                    const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k_cache.device().is_cpu(), "write_kv_cache runs on the CPU");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous(),
+              "the K and V caches must be contiguous [num_slots, kv_heads, dim] tensors");
+  TORCH_CHECK(heads_adjacent(k) && heads_adjacent(v) && k.sizes() == v.sizes() &&
+                  k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2),
+              "k and v must be [T, kv_heads, dim] tensors with adjacent heads, as the caches");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == dtype && k.scalar_type() == dtype &&
+                  v.scalar_type() == dtype,
+              "k, v and the caches must share one dtype");
+  const int64_t tokens = k.size(0), num_slots = k_cache.size(0);
+  check_index_vector(slots, tokens, "slots");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " of token ", t,
+                " is outside the cache");
+  }
+  const int64_t row_bytes = k.size(1) * k.size(2) * static_cast<int64_t>(k.element_size());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_row = k.stride(0) * k.element_size(), v_row = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(kc + sp[t] * row_bytes, kp + t * k_row, row_bytes);
+    std::memcpy(vc + sp[t] * row_bytes, vp + t * v_row, row_bytes);
   }
 }

@@ -52,6 +52,7 @@ struct Item {
 
 struct Shape {
   int64_t heads, kv_heads, group, dim, block_size, max_blocks;
+  int64_t q_row;  // elements from one query row to the next
 };
 
 // Per thread: the item's query rows (scaled), its keys as tiles, its values, its scores.
@@ -79,7 +80,7 @@ void run_item(const Item& it, const Shape& sh, const T* q, const T* k_cache, con
     const int64_t token = q_start + it.first + r / group;
     const int64_t head = it.kv_head * group + r % group;
     float* dst = s.query.data() + r * dim;
-    to_float(q + (token * sh.heads + head) * dim, dst, dim);
+    to_float(q + token * sh.q_row + head * dim, dst, dim);
     for (int64_t d = 0; d < dim; ++d) dst[d] *= scale;
   }
 
@@ -153,7 +154,7 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
              const at::Tensor& context_lens, int64_t block_size, double scale, at::Tensor& out) {
   const int64_t chunks = tables.size(0);
   Shape sh{q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), q.size(2), block_size,
-           tables.size(1)};
+           tables.size(1), q.stride(0)};
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* starts = q_starts.data_ptr<int64_t>();
   const int64_t* lens = q_lens.data_ptr<int64_t>();
@@ -216,7 +217,7 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 }  // namespace
 
-// q, out: [tokens, heads, dim], the step's batch; only the rows of the chunks are read and
+// q, out: [tokens, heads, dim], the step's batch (q's rows may lie apart); only the rows of the chunks are read and
 // written. k_cache, v_cache: [num_slots, kv_heads, dim], num_slots a multiple of block_size.
 // tables: [chunks, max_blocks] int64 block ids; q_starts, q_lens, context_lens: [chunks] int64,
 // chunk c's query is rows [q_starts[c], q_starts[c] + q_lens[c]) of q, in order and apart, the

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tensor_layouts import rows_apart
 
 from fleetllm.engine import cpu_attention
 from fleetllm.engine.attention import TorchPagedAttention, build_metadata
@@ -83,14 +84,18 @@ def test_kernel_matches_the_reference(kernel, heads, kv_heads, head_dim, block_s
     kv_heads=st.integers(1, 3),
     block_size=st.sampled_from([1, 2, 16, 32]),
     head_dim=st.sampled_from([4, 16, 20, 64]),
+    row_gap=st.sampled_from([0, 1, 40]),
     seed=st.integers(0, 2**16),
 )
-def test_any_batch_matches_the_reference(kernel, lens, group, kv_heads, block_size, head_dim, seed):
+def test_any_batch_matches_the_reference(
+    kernel, lens, group, kv_heads, block_size, head_dim, row_gap, seed
+):
     heads = group * kv_heads
     q, k_cache, v_cache, md = decode_batch(
         heads, kv_heads, head_dim, block_size, lens, torch.float32, seed
     )
     out = torch.empty_like(q)
+    q = rows_apart(q, row_gap)
     kernel.paged_decode(
         q, k_cache, v_cache, md.decode_tables, md.decode_context_lens, block_size,
         head_dim**-0.5, out,
@@ -131,7 +136,11 @@ def test_inputs_that_would_read_outside_the_cache_are_errors(kernel):
             {"q": torch.randn(2, 3, 16), "out": torch.empty(2, 3, 16)},
             "multiple of kv_heads",
         ),
-        "strided query": ({"q": torch.randn(2, 16, 4).transpose(1, 2)}, "contiguous"),
+        "heads apart": ({"q": torch.randn(2, 16, 4).transpose(1, 2)}, "adjacent heads"),
+        "overlapping rows": (
+            {"q": torch.randn(100).as_strided((2, 4, 16), (8, 16, 1))},
+            "adjacent heads",
+        ),
         "partial last block": ({"k": k_cache[:-1], "v": v_cache[:-1]}, "whole blocks"),
         "unsupported dtype": (
             {
@@ -147,3 +156,57 @@ def test_inputs_that_would_read_outside_the_cache_are_errors(kernel):
         with pytest.raises(RuntimeError, match=message):
             run(**change)
         assert name
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.integers(0, 40),
+    kv_heads=st.integers(1, 3),
+    head_dim=st.sampled_from([4, 20, 64]),
+    row_gap=st.sampled_from([0, 7, 64]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_writing_keys_and_values_matches_index_copy(
+    kernel, tokens, kv_heads, head_dim, row_gap, dtype, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = 64
+    k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(num_slots, generator=gen)[:tokens]
+    k = rows_apart(torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype), row_gap)
+    v = rows_apart(torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype), row_gap)
+    want_k = k_cache.index_copy(0, slots, k)
+    want_v = v_cache.index_copy(0, slots, v)
+    kernel.write_kv_cache(k_cache, v_cache, slots, k, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_writes_outside_the_cache_or_of_another_shape_are_errors(kernel):
+    k_cache = torch.zeros(32, 2, 16)
+    v_cache = torch.zeros(32, 2, 16)
+    k = torch.randn(3, 2, 16)
+    slots = torch.tensor([0, 5, 31])
+
+    def run(**change):
+        args = {"kc": k_cache, "vc": v_cache, "slots": slots, "k": k, "v": k.clone()}
+        args.update(change)
+        kernel.write_kv_cache(args["kc"], args["vc"], args["slots"], args["k"], args["v"])
+
+    cases = {
+        "slot past the cache": ({"slots": torch.tensor([0, 5, 32])}, "outside the cache"),
+        "negative slot": ({"slots": torch.tensor([-1, 5, 6])}, "outside the cache"),
+        "slots of another batch": ({"slots": torch.tensor([0, 5])}, "slots must be"),
+        "int32 slots": ({"slots": slots.int()}, "slots must be"),
+        "mixed dtypes": ({"k": k.bfloat16()}, "share one dtype"),
+        "another head size": ({"k": torch.randn(3, 2, 8), "v": torch.randn(3, 2, 8)}, "as the"),
+        "caches of two shapes": ({"vc": torch.zeros(16, 2, 16)}, "K and V caches"),
+        "a cache not contiguous": ({"kc": torch.zeros(32, 16, 2).transpose(1, 2)}, "K and V"),
+        "heads apart": ({"k": torch.randn(3, 16, 2).transpose(1, 2)}, "adjacent heads"),
+    }
+    for name, (change, message) in cases.items():
+        with pytest.raises(RuntimeError, match=message):
+            run(**change)
+        assert name
+    assert not k_cache.any() and not v_cache.any()  # every refusal before any write

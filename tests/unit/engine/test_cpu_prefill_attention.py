@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tensor_layouts import rows_apart
 
 from fleetllm.engine import cpu_attention
 from fleetllm.engine.attention import AttentionMetadata, TorchPagedAttention, build_metadata
@@ -114,10 +115,11 @@ def test_kernel_matches_the_reference(kernel, heads, kv_heads, head_dim, block_s
     block_size=st.sampled_from([1, 2, 16, 32]),
     decodes=st.integers(0, 3),
     threads=st.sampled_from([1, 2, 3]),
+    row_gap=st.sampled_from([0, 1, 40]),
     seed=st.integers(0, 2**16),
 )
 def test_any_batch_matches_the_reference(
-    kernel, chunks, group, kv_heads, block_size, decodes, threads, seed
+    kernel, chunks, group, kv_heads, block_size, decodes, threads, row_gap, seed
 ):
     heads, head_dim = group * kv_heads, 16
     q, k_cache, v_cache, md = prefill_batch(
@@ -126,6 +128,7 @@ def test_any_batch_matches_the_reference(
     out = torch.zeros_like(q)
     pb = md.prefill_batch
     assert pb is not None
+    q = rows_apart(q, row_gap)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # items are split between threads by cost: any split holds
     try:
@@ -182,7 +185,7 @@ def test_inputs_that_would_read_outside_the_cache_or_q_are_errors(kernel):
         "int32 context lengths": ({"contexts": pb.context_lens.int()}, "context_lens must be"),
         "int32 tables": ({"tables": pb.tables.int()}, "tables must be"),
         "mixed dtypes": ({"q": q.bfloat16(), "out": out.bfloat16()}, "share one dtype"),
-        "strided query": ({"q": torch.randn(14, 16, 4).transpose(1, 2)}, "contiguous"),
+        "heads apart": ({"q": torch.randn(14, 16, 4).transpose(1, 2)}, "adjacent heads"),
         "partial last block": ({"k": k_cache[:-1], "v": v_cache[:-1]}, "whole blocks"),
         "unsupported dtype": (
             {"q": q.double(), "k": k_cache.double(), "v": v_cache.double(), "out": out.double()},

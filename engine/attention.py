@@ -133,6 +133,10 @@ def _table_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:
 class TorchPagedAttention:
     """Reference paged attention with torch ops; runs on any device."""
 
+    reads_whole_blocks = True
+    """Whether it reads the slots of a block past a sequence's last token (masked): then each
+    block is zeroed on its first use, since NaN garbage times a zero weight is still NaN."""
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

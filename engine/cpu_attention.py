@@ -32,6 +32,8 @@ def supported(dtype: torch.dtype, device: torch.device, kv_cache_dtype: str) -> 
 class CpuPagedAttention(TorchPagedAttention):
     """The reference with both phases run by the CPU kernels."""
 
+    reads_whole_blocks = False  # the kernels read only the slots a sequence has written
+
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernel: ModuleType
     ) -> None:

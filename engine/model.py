@@ -244,6 +244,12 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [num_tokens, hidden] after the final norm."""
         return self.model(input_ids, positions, kv_caches, md)
 
+    @property
+    def attention(self) -> TorchPagedAttention:
+        """The layers' attention backend (one for all: `set_attention`), over this rank's
+        heads."""
+        return self.model.layers[0].self_attn.attn
+
     def set_attention(self, backend: TorchPagedAttention) -> None:
         """Run every layer's attention on `backend` (a faster implementation, same results)."""
         for layer in self.model.layers:

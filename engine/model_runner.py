@@ -230,10 +230,6 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self._zero_blocks(range(NULL_BLOCK, NULL_BLOCK + 1))
-        self.zero_fresh_blocks = True
-        """Whether each block is zeroed on its first use: the torch reference reads whole
-        blocks past a sequence's last token (masked, but NaN garbage times a zero weight is
-        NaN); the CPU kernels read only the tokens a sequence has written."""
         self.graphs: DecodeGraphs | None = None
         self.attention: dict[str, str] = {"decode": "torch", "prefill": "torch"}
         """The attention implementation of each phase, and why a Triton kernel fell back."""
@@ -249,7 +245,7 @@ class ModelRunner:
             log.warning("triton is not installed: attention runs on the torch reference")
             self.attention = {"decode": "torch", "prefill": "torch", "fallback": str(error)}
             return
-        attn = self.model.model.layers[0].self_attn.attn  # this device's heads
+        attn = self.model.attention
         k_cache, v_cache = self.kv_caches[0]
         assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
         backend = triton_attention.measured_backend(
@@ -308,14 +304,13 @@ class ModelRunner:
                 "few-rows linear kernel", extra={"layers": layers, "rows": cpu_linear.FEW_ROWS}
             )
         if attention_supported:
-            attn = self.model.model.layers[0].self_attn.attn  # this rank's heads
+            attn = self.model.attention
             self.model.set_attention(
                 cpu_attention.CpuPagedAttention(
                     attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, kernel
                 )
             )
             self.attention = {"decode": "cpu kernel", "prefill": "cpu kernel"}
-            self.zero_fresh_blocks = False
         log.info("attention backend", extra=dict(self.attention))
 
     @property
@@ -351,7 +346,7 @@ class ModelRunner:
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Float32 logits [len(logits_indices), vocab]; None on tensor-parallel ranks other
         than 0."""
-        if self.zero_fresh_blocks:
+        if self.model.attention.reads_whole_blocks:
             self._zero_blocks(range(*step.fresh_blocks))
         lora = self.model.lora
         for slot, adapter in step.lora_loads.items():

@@ -96,7 +96,7 @@ def eager_graphs() -> Callable[[ModelRunner], list[int]]:
     sizes the graph runner will run, in order."""
 
     def install(runner: ModelRunner) -> list[int]:
-        attn = runner.model.model.layers[0].self_attn.attn
+        attn = runner.model.attention
         runner.model.set_attention(
             TritonPagedAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
         )

@@ -146,14 +146,13 @@ def test_the_cpu_kernels_and_the_torch_reference_give_the_same_tokens(tiny_model
     path, _ = tiny_model(VARIANT)
     llm = make_llm(path, num_kv_blocks=1024)
     model = llm.engine.model
-    attn = model.model.layers[0].self_attn.attn
+    attn = model.attention
     assert isinstance(attn, CpuPagedAttention)
     assert isinstance(model.model.layers[0].mlp.ops, CpuLayerOps)
     model.set_attention(
         TorchPagedAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
     )
     model.set_layer_ops(TorchLayerOps())
-    llm.engine.executor.runner.zero_fresh_blocks = True  # the reference reads whole blocks
     check(llm, alone)
 
 
@@ -164,7 +163,7 @@ def test_the_cpu_kernels_read_only_what_the_steps_wrote(tiny_model, alone) -> No
     llm = make_llm(path, num_kv_blocks=256, max_num_seqs=16)
     runner = llm.engine.executor.runner
     assert runner.attention == {"decode": "cpu kernel", "prefill": "cpu kernel"}
-    assert not runner.zero_fresh_blocks
+    assert not runner.model.attention.reads_whole_blocks
     for k_cache, v_cache in runner.kv_caches:
         k_cache.fill_(float("nan"))
         v_cache.fill_(float("nan"))

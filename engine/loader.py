@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from fleetllm.engine.config import ModelConfig
 from fleetllm.engine.cpu_linear import pack_linear_layers, packing_supported
-from fleetllm.engine.model import STACKED_PARAMS, LlamaForCausalLM, RotaryEmbedding
+from fleetllm.engine.model import STACKED_PARAMS, LlamaForCausalLM
 from fleetllm.engine.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -65,8 +65,8 @@ def load_model(
         _random_weights(model, dtype, device)
     else:
         _load_checkpoint(model, model_dir, cfg, dtype, device, tp)
-    # Buffers are not in the checkpoint; build the RoPE tables for real.
-    model.model.rotary = RotaryEmbedding(cfg, max_positions).to(device)
+    # The RoPE tables are not in the checkpoint: the model computed them on the CPU.
+    model.model.rotary.to(device)
     model.eval()
     packed = 0
     if pack and packing_supported(dtype, device):
@@ -88,8 +88,12 @@ def load_model(
 @torch.inference_mode()
 def _random_weights(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
     """Allocated straight in `dtype` on `device` (no float32 copy of a large model), drawn
-    from a fixed seed: norms 1, everything else N(0, 0.02)."""
+    from a fixed seed: norms 1, everything else N(0, 0.02). The RoPE tables are computed, not
+    drawn: they stay as the model built them, in float32."""
+    rotary = model.model.rotary
+    del model.model.rotary  # out of the casts below, which would convert and blank it too
     model.to(dtype).to_empty(device=device)
+    model.model.rotary = rotary
     gen = torch.Generator(device=device).manual_seed(0)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):

@@ -45,11 +45,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the attention scaling factor for the config's RoPE variant."""
+    """Inverse frequencies and the attention scaling factor for the config's RoPE variant,
+    computed on the CPU whatever the ambient device (see `RotaryEmbedding`)."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (
-        cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)
-    )
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / dim
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
     scaling = cfg.rope_scaling or {}
     rope_type = scaling.get("rope_type", "default")
     if rope_type == "linear":
@@ -72,12 +72,17 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position."""
+    """Precomputed cos/sin tables indexed by absolute position.
+
+    The tables are computed on the CPU even while the model is built on the meta device (as the
+    loader builds it): they are not in any checkpoint, and arithmetic on meta tensors goes
+    through torch's Python reference ops, whose first use imports torch._dynamo (seconds of a
+    cold start)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         inv_freq, attention_scaling = rope_inv_freq(cfg)
-        t = torch.arange(max_positions, dtype=torch.float32)
+        t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)

@@ -16,6 +16,8 @@ from tinymodels import write_tiny_chat_model
 # at most 8 sequences at once (the plan's maxNumSeqs), so 12 concurrent requests need
 # 12 / (8 x 0.8) = 1.9 replicas, short of the law's panic (2 x the ready replicas), which
 # would hold every scale-down for its 60 s window; queue time (generous target) plays no part.
+# The request rate can still hold the second replica up to that window after the load stops
+# (the law's floor against shrinking back while requests come as fast as when it grew).
 TINY_FLEET = """\
 apiVersion: fleetllm.io/v1alpha1
 kind: LLMDeployment

@@ -51,3 +51,16 @@ async def answer_errors(handler: Callable[[Any], Awaitable[R]], request: Any) ->
     except Exception:
         log.exception("request failed", extra={"path": request.path})
         return error_response(APIError(500, FAILED))
+
+
+def first_byte_timeout_hint(timeout: float, payload: Mapping[str, Any]) -> str:
+    """What a request cut by the first-byte timeout is told. A non-streamed answer's first byte
+    comes when its whole generation is done, so a long one (no max_tokens, a model that does not
+    stop) meets the timeout although its replica works: the message says what avoids it."""
+    said = f"did not answer within the first-byte timeout ({timeout:g} s)."
+    if payload.get("stream") is True:
+        return said
+    return (
+        f"{said} A non-streamed answer comes whole when its generation ends: stream it, bound "
+        "it with max_tokens, or raise the router's --first-byte-timeout."
+    )

@@ -32,7 +32,7 @@ from fleetllm.router.auth import ApiKey, tenant_of
 from fleetllm.router.body import read_body
 from fleetllm.router.config import RouterSettings
 from fleetllm.router.endpoints import BY_PATH, ENDPOINTS
-from fleetllm.router.errors import RouterError
+from fleetllm.router.errors import RouterError, first_byte_timeout_hint
 from fleetllm.router.front import FastRequest, FrontStream
 from fleetllm.router.holding import HoldRejected
 from fleetllm.router.inflight import InFlight
@@ -411,8 +411,10 @@ class Proxy:
                 lease.failed()
                 timed_out = isinstance(exc, TimeoutError)
                 status = 504 if timed_out else 502
-                what = "did not answer in time" if timed_out else f"failed: {_describe(exc)}"
-                body = error_json(status, f"The replica {what}.")
+                what = "did not answer in time." if timed_out else f"failed: {_describe(exc)}."
+                if timed_out and upstream is None and first_deadline <= loop.time() < deadline:
+                    what = first_byte_timeout_hint(settings.first_byte_timeout, ctx.payload)
+                body = error_json(status, f"The replica {what}")
                 return _Failure(status, body, "application/json")
             return await self._relay(lease, ctx, upstream, first, events, deadline)
         finally:

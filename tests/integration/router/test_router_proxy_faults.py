@@ -192,6 +192,21 @@ async def test_first_byte_timeout_moves_a_stream_on() -> None:
         assert r.status_code == 504 and r.json()["error"]["code"] == 504
 
 
+async def test_a_request_cut_by_the_first_byte_timeout_is_told_what_avoids_it() -> None:
+    # Its answer comes whole when the generation ends, so a long one meets the timeout.
+    stalled = Upstream("stall")
+    settings = RouterSettings(strategy="round-robin", first_byte_timeout=0.3, retry_window=0)
+    async with in_order(stalled, settings=settings) as (_, url, _):
+        r = await _post(f"{url}/v1/completions", {"model": "m", "prompt": "x"})
+        assert r.status_code == 504
+        message = r.json()["error"]["message"]
+        assert "first-byte timeout (0.3 s)" in message
+        assert all(hint in message for hint in ("stream it", "max_tokens", "--first-byte-timeout"))
+        r = await _post(f"{url}/v1/completions", {"model": "m", "prompt": "x", "stream": True})
+        assert r.status_code == 504
+        assert "max_tokens" not in r.json()["error"]["message"]
+
+
 async def test_a_client_that_goes_away_mid_stream_aborts_the_upstream_request() -> None:
     endless = Upstream("endless")
     async with serve_upstream(endless) as up_url, serve_router(FAST) as (router, url):
